@@ -1,0 +1,40 @@
+# tensorplay_mpi: set-up, tests, demo and benchmarks on a fresh clone with only Python.
+# With a system MPI: make test EXTRAS=test MPIEXEC=mpiexec (see README, "Use your cluster's MPI").
+
+PYTHON  ?= python3
+VENV    ?= .venv
+EXTRAS  ?= mpich,test,examples
+BIN     := $(VENV)/bin
+PY      := $(BIN)/python
+MPIEXEC ?= $(BIN)/mpiexec
+RANKS   ?= 1 2 3 4
+# Hard limits: a deadlocked test fails (named) after TEST_TIMEOUT s, a whole run after RUN_TIMEOUT s.
+TEST_TIMEOUT ?= 60
+RUN_TIMEOUT  ?= 900
+PYTEST_MPI   := -m pytest --with-mpi -m mpi -q --timeout=$(TEST_TIMEOUT) --timeout-method=thread
+
+.PHONY: venv test test-serial test-mpi demo clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+test: test-serial test-mpi
+
+test-serial: venv
+	$(PY) -m pytest -m "not mpi" -q --timeout=$(RUN_TIMEOUT) --timeout-method=thread tests
+
+test-mpi: venv
+	@for n in $(RANKS); do \
+	  echo "== MPI tests at $$n rank(s) (ranks > 0 log to .test-logs/)"; rm -rf .test-logs; \
+	  timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $$n tests/rank-logs $(PY) -m mpi4py $(PYTEST_MPI) tests \
+	    || { rc=$$?; tail -n 200 .test-logs/*.log 2>/dev/null; \
+	         echo "MPI tests failed at $$n rank(s) (exit $$rc)"; exit 1; }; \
+	done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .test-logs

@@ -1,0 +1,333 @@
+"""Join, Joinable and JoinHook over MPI: the uneven-inputs protocol and nothing else.
+
+The contract is the one of ``torch.distributed.algorithms.join``.  The wire protocol (all int64,
+all nonblocking, see DESIGN.md):
+
+- active rank, each iteration: ``Iallreduce([1], SUM)`` (the heartbeat), then its collectives;
+- joined rank, each round: ``Iallreduce([0], SUM)`` + wait gives the number of active ranks
+  ``n``; ``n == 0`` ends the loop, else every main hook shadows one active iteration;
+- throw mode adds one pair per iteration: active ``Iallreduce([0])`` + wait (raise if > 0),
+  joined ``Iallreduce([1])`` + wait, then raise.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+from mpi4py import MPI
+
+from ..buffers import check_device
+from ..comm import Work, check_comm, iallreduce
+
+__all__ = ["Join", "Joinable", "JoinHook"]
+
+SKEW_WARN_ROUNDS = 1000
+"""A joined rank that shadows more rounds than this warns once about the input skew."""
+
+_ONE = np.ones(1, dtype=np.int64)
+_ONE.flags.writeable = False  # shared read-only send buffer of every heartbeat
+
+
+class JoinHook:
+    """What a joinable does on a rank that has run out of inputs.
+
+    Both methods are no-ops; override the ones you need.
+    """
+
+    def main_hook(self) -> None:
+        """Shadow exactly the collectives of one active iteration (called once per round)."""
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Finish up once every rank has joined.
+
+        Parameters
+        ----------
+        is_last_joiner : bool
+            True iff no rank was still active when this rank joined (ties allowed).
+        """
+
+
+@dataclass(frozen=True)
+class _JoinConfig:
+    join: "Join"
+    is_first_joinable: bool
+
+
+class Joinable(ABC):
+    """Something that issues collectives per iteration and can shadow them once joined.
+
+    Subclasses must call ``Joinable.__init__`` (``super().__init__()``) and implement
+    :meth:`join_hook`, :attr:`join_device` and :attr:`join_process_group`.  Each iteration
+    should start with ``Join.notify_join_context(self)``.
+    """
+
+    @abstractmethod
+    def __init__(self) -> None:
+        super().__init__()
+        self._join_config: _JoinConfig | None = None
+
+    @abstractmethod
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """Return the hook that shadows this joinable; gets every kwarg given to :class:`Join`."""
+
+    @property
+    @abstractmethod
+    def join_device(self) -> str:
+        """Device of this joinable's data: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
+
+    @property
+    @abstractmethod
+    def join_process_group(self) -> MPI.Intracomm:
+        """The communicator this joinable's collectives run on."""
+
+
+def _first_int(buf: np.ndarray) -> int:
+    return int(buf[0])
+
+
+def _config_of(joinable: Joinable) -> _JoinConfig | None:
+    try:
+        return joinable._join_config
+    except AttributeError:
+        name = type(joinable).__name__
+        raise TypeError(
+            f"{name} does not call the Joinable constructor: add super().__init__() "
+            f"(or Joinable.__init__(self)) to {name}.__init__"
+        ) from None
+
+
+class Join:
+    """Context manager that lets ranks with fewer inputs shadow ranks that still have inputs.
+
+    Inside the block each rank iterates over its own inputs; each iteration of a joinable
+    starts with ``Join.notify_join_context(joinable)``.  A rank that leaves the block keeps
+    running its joinables' main hooks, one round per iteration of the ranks still active, until
+    every rank has left; then every post hook runs once.
+
+    Collective over the joinables' communicator: every rank must enter and leave the block.
+
+    Parameters
+    ----------
+    joinables : list of Joinable
+        At least one, all distinct and on the same communicator.  The first one sends the
+        heartbeat; hooks run in list order.
+    enable : bool, default True
+        ``False`` makes the context inert (no heartbeat, no hooks), for even inputs.
+    throw_on_early_termination : bool, default False
+        Raise ``RuntimeError`` on every rank as soon as one rank runs out of inputs, instead
+        of shadowing.
+    **kwargs
+        Passed to every joinable's :meth:`Joinable.join_hook`.
+
+    Raises
+    ------
+    ValueError
+        If `joinables` is empty, holds a joinable twice, or spans several communicators.
+    TypeError
+        If an element is not a Joinable, skipped ``Joinable.__init__``, or its communicator
+        is not an intra-communicator.
+
+    Notes
+    -----
+    Hooks are built here, in ``__init__``.  The Join is single-use; it is entered once.  The
+    joinables are bound to it from ``__enter__`` until ``__exit__`` returns, so
+    ``notify_join_context`` outside the block returns ``None``.  An exception inside the
+    block propagates unchanged and no hook runs.
+
+    Examples
+    --------
+    A complete uneven-inputs program (``mpiexec -n 3 python -m mpi4py example.py``): rank
+    ``r`` has ``3 + r`` inputs and each input is summed over all ranks::
+
+        import numpy as np
+        from mpi4py import MPI
+        from tensorplay_mpi import Join, Joinable, JoinHook
+        from tensorplay_mpi.comm import iallreduce
+
+        class Summer(Joinable):
+            def __init__(self, comm):
+                super().__init__()
+                self.comm, self.total = comm, 0.0
+
+            def step(self, x):
+                Join.notify_join_context(self)   # heartbeat: "I still have inputs"
+                self.reduce(x)
+
+            def reduce(self, x):
+                out = np.empty_like(x)
+                iallreduce(self.comm, x, out).wait()
+                self.total += out.sum()
+
+            def join_hook(self, **kwargs):
+                return ShadowSum(self)
+
+            @property
+            def join_device(self):
+                return "cpu"
+
+            @property
+            def join_process_group(self):
+                return self.comm
+
+        class ShadowSum(JoinHook):
+            def __init__(self, summer):
+                self.summer = summer
+
+            def main_hook(self):                 # same collective, zero contribution
+                self.summer.reduce(np.zeros(1))
+
+        comm = MPI.COMM_WORLD
+        summer = Summer(comm)
+        with Join([summer]):
+            for _ in range(3 + comm.rank):
+                summer.step(np.ones(1))
+        size = comm.size
+        assert summer.total == 3 * size + size * (size - 1) // 2   # every input counted once
+    """
+
+    def __init__(
+        self,
+        joinables: Iterable[Joinable],
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self._joinables = list(joinables)
+        self._check_joinables()
+        first = self._joinables[0]
+        self._comm: MPI.Intracomm = first.join_process_group
+        self._rank = self._comm.Get_rank()
+        self._device = check_device(first.join_device, "join_device")
+        self._enable = bool(enable)
+        self._throw_on_early_termination = bool(throw_on_early_termination)
+        self._join_hooks = [joinable.join_hook(**kwargs) for joinable in self._joinables]
+        self._heartbeats: list[Work] = []  # started heartbeats, owned until they complete
+        self._count = np.zeros(1, dtype=np.int64)  # the one buffer of every poll/throw pair
+        self._entered = False
+        self._joining = False
+
+    def _check_joinables(self) -> None:
+        if not self._joinables:
+            raise ValueError("Join needs at least one joinable, got an empty list")
+        for joinable in self._joinables:
+            if not isinstance(joinable, Joinable):
+                raise TypeError(f"Join takes Joinable objects, got {type(joinable).__name__}")
+            _config_of(joinable)
+        if len({id(j) for j in self._joinables}) != len(self._joinables):
+            names = [type(j).__name__ for j in self._joinables]
+            raise ValueError(f"Join got the same joinable more than once: {names}")
+        comm = check_comm(self._joinables[0].join_process_group, "join_process_group")
+        for joinable in self._joinables[1:]:
+            if check_comm(joinable.join_process_group, "join_process_group") != comm:
+                raise ValueError(
+                    "Join needs every joinable on the same communicator; "
+                    f"{type(joinable).__name__}.join_process_group differs from the first "
+                    f"joinable's ({type(self._joinables[0]).__name__})"
+                )
+
+    def __enter__(self) -> "Join":
+        if self._entered:
+            raise RuntimeError("this Join was already entered; a Join is single-use, make a new one")
+        for joinable in self._joinables:
+            if _config_of(joinable) is not None:
+                raise RuntimeError(
+                    f"{type(joinable).__name__} is already in an active Join; "
+                    "two Joins cannot share a joinable"
+                )
+        self._entered = True
+        for i, joinable in enumerate(self._joinables):
+            joinable._join_config = _JoinConfig(self, is_first_joinable=(i == 0))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self._wait_heartbeats()
+            if exc_type is None and self._enable:
+                self._join_loop()
+        finally:
+            for joinable in self._joinables:
+                joinable._join_config = None
+
+    @staticmethod
+    def notify_join_context(joinable: Joinable) -> Work | None:
+        """Tell the Join that `joinable` starts an iteration: this rank still has inputs.
+
+        Only the first joinable of an enabled, entered Join sends the heartbeat; every other
+        call returns ``None``, as does a call from a hook while this rank is joined.
+
+        Collective over the joinable's communicator: every active rank must call it once per
+        iteration, before the iteration's other collectives.
+
+        Returns
+        -------
+        Work or None
+            The heartbeat; ``wait()`` then ``result()`` give the number of ranks still active
+            in this iteration.  Dropping it is safe: the Join owns it and completes it.
+
+        Raises
+        ------
+        RuntimeError
+            In throw mode, when some rank has run out of inputs.
+        TypeError
+            If `joinable` skipped ``Joinable.__init__``.
+        """
+        config = _config_of(joinable)
+        if config is None or not config.is_first_joinable:
+            return None
+        join = config.join
+        if not join._enable or join._joining:
+            return None
+        return join._heartbeat()
+
+    def _heartbeat(self) -> Work:
+        self._heartbeats = [w for w in self._heartbeats if not w.is_completed()]
+        recv = np.empty(1, dtype=np.int64)
+        work = iallreduce(self._comm, _ONE, recv, MPI.SUM, "heartbeat", finish=_first_int)
+        self._heartbeats.append(work)
+        if self._throw_on_early_termination and self._sum_over_ranks(0, "throw check") > 0:
+            raise RuntimeError(
+                "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+            )
+        return work
+
+    def _wait_heartbeats(self) -> None:
+        # Safe on every path: each rank started the same heartbeats in the same order.
+        for work in self._heartbeats:
+            work.wait()
+        self._heartbeats.clear()
+
+    def _sum_over_ranks(self, value: int, what: str) -> int:
+        self._count[0] = value
+        iallreduce(self._comm, MPI.IN_PLACE, self._count, MPI.SUM, what).wait()
+        return int(self._count[0])
+
+    def _join_loop(self) -> None:
+        self._joining = True  # hooks calling notify_join_context get None from here on
+        is_last_joiner = True
+        rounds = 0
+        warned = False
+        while True:
+            if rounds > SKEW_WARN_ROUNDS and not warned:
+                warned = True
+                warnings.warn(
+                    f"Detected uneven input skew of greater than {SKEW_WARN_ROUNDS}. This means "
+                    f"that rank {self._rank} has at least {SKEW_WARN_ROUNDS} fewer inputs than "
+                    "other currently-active ranks. This level of skew could lead to performance "
+                    "degradation.",
+                    stacklevel=3,
+                )
+            if self._sum_over_ranks(0, "poll") == 0:
+                break
+            if self._throw_on_early_termination:
+                self._sum_over_ranks(1, "throw notice")
+                raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
+            for hook in self._join_hooks:
+                hook.main_hook()
+            is_last_joiner = False
+            rounds += 1
+        for hook in self._join_hooks:
+            hook.post_hook(is_last_joiner)

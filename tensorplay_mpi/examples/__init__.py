@@ -1,0 +1,1 @@
+"""Runnable examples: ``mpiexec -n 4 python -m mpi4py -m tensorplay_mpi.examples.<name>``."""
