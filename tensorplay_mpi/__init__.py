@@ -1,9 +1,10 @@
 """tensorplay_mpi: uneven inputs on MPI without hangs (the Join API over mpi4py)."""
 
-from . import comm
+from . import comm, data
 from .algorithms.join import Join, Joinable, JoinHook
 from .comm import Work
+from .parallel import DataParallel
 
 __version__ = "0.1.0"
 
-__all__ = ["Join", "Joinable", "JoinHook", "Work", "comm", "__version__"]
+__all__ = ["DataParallel", "Join", "Joinable", "JoinHook", "Work", "comm", "data", "__version__"]

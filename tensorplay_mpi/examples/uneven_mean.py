@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from tensorplay_mpi import Join, Joinable, JoinHook
 from tensorplay_mpi.comm import default_comm, iallgather
+from tensorplay_mpi.data import shard
 
 MOMENTS = np.dtype([("count", np.int64), ("mean", np.float64), ("m2", np.float64)])
 
@@ -92,17 +93,6 @@ def make_data(samples: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).normal(loc=1e4, scale=3.0, size=samples)
 
 
-def chunks_of_rank(data: np.ndarray, chunk: int, rank: int, size: int,
-                   idle_rank0: bool) -> list[np.ndarray]:
-    """Rank `rank`'s contiguous share of the chunks, proportional to ``rank + 1``."""
-    chunks = [data[i:i + chunk] for i in range(0, data.size, chunk)]
-    weights = np.arange(1, size + 1, dtype=float)
-    if idle_rank0 and size > 1:
-        weights[0] = 0.0
-    bounds = np.rint(np.concatenate([[0], np.cumsum(weights)]) / weights.sum() * len(chunks))
-    return chunks[int(bounds[rank]):int(bounds[rank + 1])]
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=100_003)
@@ -113,7 +103,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     comm = default_comm()
     data = make_data(args.samples, args.seed)
-    mine = chunks_of_rank(data, args.chunk, comm.rank, comm.size, args.idle_rank0)
+    chunks = [data[i:i + args.chunk] for i in range(0, data.size, args.chunk)]
+    mine = [chunks[i] for i in shard(len(chunks), comm.rank, comm.size, skew=1.0,
+                                     idle=[0] if args.idle_rank0 and comm.size > 1 else [])]
     moments = StreamingMoments(comm)
     with Join([moments]):
         for chunk in mine:

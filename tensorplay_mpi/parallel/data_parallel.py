@@ -1,0 +1,322 @@
+"""DataParallel: bucketed, overlapped gradient averaging as a Joinable.
+
+Wire schedule of one active step (a joined rank's main hook shadows exactly this):
+
+1. the heartbeat (Join's, when ``dp`` is the first joinable); the step waits for it, which
+   gives ``n``, the number of active ranks;
+2. only when ``n < size``: the step control, ``Iallreduce(int64[size + 1], SUM)`` of
+   ``[syncs?, one-hot(rank)]``; joined ranks send zeros.  It tells joined ranks whether this
+   step synchronises gradients and which ranks are active (``n``, and the highest active
+   rank, the root of the buffer broadcast);
+3. when there are buffers: one ``Ibcast`` per buffer from the highest active rank;
+4. when the step synchronises: one ``Iallreduce(IN_PLACE, SUM)`` per bucket, in bucket order.
+
+With even inputs a step therefore costs the heartbeat, the bucket allreduces and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from ..algorithms.join import Join, Joinable, JoinHook
+from ..comm import Work, check_comm, default_comm, iallgather, iallreduce, ibcast
+from .buckets import GradientViews, make_buckets
+
+__all__ = ["DataParallel"]
+
+
+def _check_arrays(arrays: Sequence[Any], name: str, floating: bool) -> list[np.ndarray]:
+    arrays = list(arrays)
+    for i, array in enumerate(arrays):
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"{name}[{i}] must be a NumPy array, got {type(array).__name__}")
+        if floating and array.dtype not in (np.float32, np.float64):
+            raise TypeError(f"{name}[{i}] must be float32 or float64, got {array.dtype}")
+        if array.dtype == object:
+            raise TypeError(f"{name}[{i}] has dtype object, which MPI cannot send")
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{name}[{i}] must be C-contiguous (use numpy.ascontiguousarray)")
+    return arrays
+
+
+def _wait_all(works: list[Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+class DataParallel(Joinable):
+    """Average gradients over ranks, in buckets, with uneven numbers of batches per rank.
+
+    Collective over `comm`: every rank constructs it, with the same parameter shapes and
+    dtypes; the constructor broadcasts `params` and `buffers` from `broadcast_from`.
+
+    Parameters
+    ----------
+    params : sequence of numpy.ndarray
+        The trained arrays, owned and updated in place by the caller; C-contiguous float32 or
+        float64 (one bucket set per dtype).
+    comm : mpi4py.MPI.Intracomm, optional
+        Defaults to ``MPI.COMM_WORLD``.
+    bucket_cap_mb : float, default 25.0
+        Largest bucket in MiB (a larger parameter gets a bucket of its own).
+    broadcast_from : int, default 0
+        The rank whose params and buffers every rank starts from.
+    buffers : sequence of numpy.ndarray, default ()
+        Non-trained state (running statistics, ...): broadcast at each step start from the
+        highest active rank.
+
+    Attributes
+    ----------
+    grads : GradientViews
+        One gradient per parameter, shaped like it: zero-copy views into the buckets.  Write
+        the local gradient there during a step; after the step it holds the average.
+
+    Examples
+    --------
+    ::
+
+        dp = DataParallel(params)
+        with Join([dp], divide_by_initial_world_size=True):
+            for batch in my_batches:
+                with dp.step():
+                    backward(params, batch, out=dp.grads)
+                update(params, dp.grads)
+    """
+
+    def __init__(
+        self,
+        params: Sequence[np.ndarray],
+        comm: MPI.Intracomm | None = None,
+        bucket_cap_mb: float = 25.0,
+        broadcast_from: int = 0,
+        buffers: Sequence[np.ndarray] = (),
+    ) -> None:
+        super().__init__()
+        self.comm = check_comm(default_comm() if comm is None else comm)
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.params = _check_arrays(params, "params", floating=True)
+        self.buffers = _check_arrays(buffers, "buffers", floating=False)
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        if not 0 <= broadcast_from < self.size:
+            raise ValueError(f"broadcast_from must be a rank in [0, {self.size}), got "
+                             f"{broadcast_from!r}")
+        self._check_same_on_every_rank()
+        self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20)
+        self.grads = GradientViews(views)
+        self._broadcast(self.params + self.buffers, broadcast_from, "initial broadcast")
+
+        self.divide_by_initial_world_size = True  # set by join_hook() from the Join's kwargs
+        self._control = np.zeros(self.size + 1, dtype=np.int64)
+        self._ready = np.zeros(len(self.params), dtype=bool)
+        self._sync = True  # False inside no_sync()
+        self._in_step = False
+        self._step_syncs = True
+        self._active = self.size
+        self._next_bucket = 0  # buckets below it have started their allreduce in this step
+
+    # -- construction --------------------------------------------------------------------
+
+    def _check_same_on_every_rank(self) -> None:
+        layout = [(a.shape, a.dtype.str) for a in self.params], [
+            (a.shape, a.dtype.str) for a in self.buffers]
+        digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
+        mine = np.frombuffer(digest, dtype=np.int64).copy()
+        every = np.empty(self.size, dtype=np.int64)
+        iallgather(self.comm, mine, every, "parameter layout check").wait()
+        if (every != every[0]).any():
+            groups: dict[int, list[int]] = {}
+            for rank, value in enumerate(every.tolist()):
+                groups.setdefault(value, []).append(rank)
+            raise ValueError(
+                f"rank {self.rank}: ranks passed different parameter or buffer shapes/dtypes "
+                f"(ranks that agree: {sorted(groups.values())}); this rank has params "
+                f"{layout[0]} and buffers {layout[1]}"
+            )
+
+    def _broadcast(self, arrays: list[np.ndarray], root: int, what: str) -> None:
+        _wait_all([ibcast(self.comm, a, root, f"{what} {i}") for i, a in enumerate(arrays)])
+
+    # -- the public step API --------------------------------------------------------------
+
+    def join(self, **kwargs: Any) -> Join:
+        """Shorthand for ``Join([self], **kwargs)``."""
+        return Join([self], **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Steps entered inside skip the gradient averaging; gradients accumulate locally.
+
+        Every active rank must use it for the same steps (checked when a rank has joined).
+        """
+        if self._in_step:
+            raise RuntimeError("no_sync() must be entered outside a step, around dp.step()")
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def zero_grad(self) -> None:
+        """Set every gradient to zero (for example before accumulating with no_sync)."""
+        for bucket in self._buckets:
+            bucket.flat.fill(0)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator["DataParallel"]:
+        """One training step: heartbeat on enter; on exit every bucket is averaged.
+
+        Collective over ``comm``.  Inside a Join, ``dp`` must be its first joinable (it reads
+        the heartbeat).  Outside a Join every rank is taken to be active: with uneven inputs
+        the ranks with more batches then wait forever in their bucket allreduce, as they
+        would with plain MPI; use a Join.
+        """
+        if self._in_step:
+            raise RuntimeError("dp.step() is already active: steps cannot nest")
+        self._begin_step()
+        self._in_step = True
+        try:
+            yield self
+        except BaseException:
+            self._wait_started_buckets()  # never leave a request behind
+            raise
+        else:
+            self._finish_buckets()
+        finally:
+            self._in_step = False
+
+    def mark_ready(self, index: int) -> None:
+        """Gradient `index` is final for this step: its bucket may start reducing now.
+
+        Call it during the backward pass to overlap communication with computation.
+        Buckets start in bucket order on every rank, whatever the order of the calls.
+        """
+        if not self._in_step:
+            raise RuntimeError("mark_ready() is only valid inside dp.step()")
+        if not 0 <= index < len(self.params):
+            raise IndexError(f"parameter index {index} out of range [0, {len(self.params)})")
+        if self._ready[index]:
+            raise RuntimeError(f"mark_ready({index}) was already called in this step")
+        self._ready[index] = True
+        if not self._step_syncs:
+            return
+        self._buckets[self._bucket_of[index]].unready -= 1
+        while (self._next_bucket < len(self._buckets)
+               and self._buckets[self._next_bucket].unready == 0):
+            self._start_bucket(self._next_bucket)
+        for bucket in self._buckets[:self._next_bucket]:
+            bucket.work.is_completed()  # drives MPI progress of the started buckets
+
+    # -- the active side --------------------------------------------------------------------
+
+    def _begin_step(self) -> None:
+        heartbeat = Join.notify_join_context(self)
+        config = self._join_config
+        if heartbeat is None and config is not None and config.join._enable \
+                and not config.is_first_joinable:
+            raise RuntimeError("DataParallel must be the first joinable of its Join: "
+                               "Join([dp, ...])")
+        active = self.size
+        if heartbeat is not None:
+            heartbeat.wait()
+            active = heartbeat.result()
+        self._step_syncs, root = self._sync, self.size - 1
+        if active < self.size:
+            self._step_syncs, root, active = self._exchange_control(self._sync)
+        self._active = active
+        self._broadcast(self.buffers, root, "buffer broadcast")
+        self._ready[:] = False
+        for bucket in self._buckets:
+            bucket.unready = len(bucket.members)
+        self._next_bucket = 0
+
+    def _exchange_control(self, syncs: bool | None) -> tuple[bool, int, int]:
+        """The step control (see the module docstring); `syncs` is None on a joined rank."""
+        control = self._control
+        control[:] = 0
+        if syncs is not None:
+            control[0] = int(syncs)
+            control[1 + self.rank] = 1
+        iallreduce(self.comm, MPI.IN_PLACE, control, MPI.SUM, "step control").wait()
+        active_ranks = np.flatnonzero(control[1:])
+        active, syncing = len(active_ranks), int(control[0])
+        if syncing not in (0, active):
+            raise RuntimeError(
+                f"{syncing} of {active} active ranks synchronise gradients in this step: every "
+                "active rank must use dp.no_sync() for the same steps"
+            )
+        return syncing > 0, int(active_ranks[-1]), active
+
+    def _start_bucket(self, k: int) -> None:
+        bucket = self._buckets[k]
+        bucket.work = iallreduce(self.comm, MPI.IN_PLACE, bucket.flat, MPI.SUM,
+                                 f"bucket {k} of {len(self._buckets)}")
+        self._next_bucket = k + 1
+
+    def _finish_buckets(self) -> None:
+        if not self._step_syncs:
+            return
+        for k in range(self._next_bucket, len(self._buckets)):
+            self._start_bucket(k)
+        divisor = self.size if self.divide_by_initial_world_size else self._active
+        for bucket in self._buckets:
+            bucket.work.wait()
+            np.divide(bucket.flat, divisor, out=bucket.flat)
+
+    def _wait_started_buckets(self) -> None:
+        _wait_all([bucket.work for bucket in self._buckets[:self._next_bucket]])
+
+    # -- Joinable -----------------------------------------------------------------------------
+
+    def join_hook(self, *, divide_by_initial_world_size: bool = True,
+                  **kwargs: Any) -> JoinHook:
+        """The hook that shadows steps on a joined rank.
+
+        Parameters
+        ----------
+        divide_by_initial_world_size : bool, default True
+            Average over the world size (True) or over the ranks active in the step (False).
+        """
+        self.divide_by_initial_world_size = bool(divide_by_initial_world_size)
+        return _DataParallelHook(self)
+
+    @property
+    def join_device(self) -> str:
+        return "cpu"
+
+    @property
+    def join_process_group(self) -> MPI.Intracomm:
+        return self.comm
+
+
+class _DataParallelHook(JoinHook):
+    def __init__(self, dp: DataParallel) -> None:
+        self.dp = dp
+
+    def main_hook(self) -> None:
+        """Shadow one active step; the averaged gradients land in this rank's ``dp.grads``."""
+        dp = self.dp
+        dp._step_syncs, root, dp._active = dp._exchange_control(None)
+        dp._broadcast(dp.buffers, root, "buffer broadcast")
+        if dp._step_syncs:
+            dp.zero_grad()
+            dp._next_bucket = 0
+            dp._finish_buckets()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Broadcast from the highest last joiner: buffers always, params unless all are last.
+
+        Buffers are updated locally in every step, so they differ after the last one; params
+        differ only on ranks that joined early (they skipped updates).
+        """
+        dp = self.dp
+        flags = np.array([dp.rank if is_last_joiner else -1, int(not is_last_joiner)],
+                         dtype=np.int64)
+        iallreduce(dp.comm, MPI.IN_PLACE, flags, MPI.MAX, "last joiner").wait()
+        stale = dp.params + dp.buffers if flags[1] else dp.buffers
+        dp._broadcast(stale, int(flags[0]), "final broadcast")

@@ -1,0 +1,123 @@
+"""DataParallel on one rank: buckets, gradient views, and every user error."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from toys import AllReducer
+
+from tensorplay_mpi import DataParallel, Join
+from tensorplay_mpi.comm import outstanding_requests
+from tensorplay_mpi.parallel.buckets import make_buckets
+
+
+@pytest.fixture
+def dp():
+    return DataParallel([np.zeros((2, 3)), np.zeros(4)], comm=MPI.COMM_SELF)
+
+
+def test_buckets_fill_in_reverse_order_up_to_the_cap():
+    params = [np.zeros(100) for _ in range(4)]  # 800 bytes each
+    buckets, bucket_of, _ = make_buckets(params, cap_bytes=1600)
+    assert [b.members for b in buckets] == [[3, 2], [1, 0]]
+    assert bucket_of == [1, 1, 0, 0]
+
+
+def test_a_parameter_over_the_cap_gets_its_own_bucket_and_dtypes_never_mix():
+    params = [np.zeros(10), np.zeros(1000), np.zeros(10, np.float32), np.zeros(10)]
+    buckets, _, _ = make_buckets(params, cap_bytes=200)
+    assert [(b.members, str(b.flat.dtype)) for b in buckets] == [
+        ([3], "float64"), ([2], "float32"), ([1], "float64"), ([0], "float64")]
+
+
+def test_grads_are_zero_copy_views_into_one_bucket(dp):
+    (bucket,) = dp._buckets
+    dp.grads[0][...] = 1.0
+    dp.grads[1] = np.arange(4.0)
+    assert [g.shape for g in dp.grads] == [(2, 3), (4,)]
+    np.testing.assert_array_equal(bucket.flat, np.r_[np.arange(4.0), np.ones(6)])
+
+
+def test_a_single_rank_step_averages_over_itself(dp):
+    with Join([dp]):
+        with dp.step():
+            dp.grads[1] = np.arange(4.0)
+    np.testing.assert_array_equal(dp.grads[1], np.arange(4.0))
+
+
+def test_grads_write_of_the_wrong_shape_is_a_value_error(dp):
+    with pytest.raises(ValueError, match=r"grads\[1\] has shape \(4,\), got .* \(3,\)"):
+        dp.grads[1] = np.zeros(3)
+
+
+@pytest.mark.parametrize("params, error, match", [
+    ([np.zeros(3, np.int64)], TypeError, r"params\[0\] must be float32 or float64, got int64"),
+    ([np.zeros(3, object)], TypeError, "float32 or float64"),
+    ([[1.0, 2.0]], TypeError, "must be a NumPy array, got list"),
+    ([np.zeros((4, 4))[:, 1]], ValueError, "C-contiguous"),
+])
+def test_bad_params(params, error, match):
+    with pytest.raises(error, match=match):
+        DataParallel(params, comm=MPI.COMM_SELF)
+
+
+def test_object_buffers_are_a_type_error():
+    with pytest.raises(TypeError, match="object"):
+        DataParallel([np.zeros(2)], comm=MPI.COMM_SELF, buffers=[np.zeros(2, object)])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
+    ({"broadcast_from": 1}, "broadcast_from"),
+])
+def test_bad_options_are_value_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DataParallel([np.zeros(2)], comm=MPI.COMM_SELF, **kwargs)
+
+
+def test_nested_steps_are_a_runtime_error(dp):
+    with dp.step():
+        with pytest.raises(RuntimeError, match="cannot nest"):
+            with dp.step():
+                pass
+
+
+def test_mark_ready_misuse(dp):
+    with pytest.raises(RuntimeError, match="inside dp.step"):
+        dp.mark_ready(0)
+    with dp.step():
+        dp.mark_ready(0)
+        with pytest.raises(RuntimeError, match=r"mark_ready\(0\) was already called"):
+            dp.mark_ready(0)
+        with pytest.raises(IndexError, match="out of range"):
+            dp.mark_ready(2)
+
+
+def test_no_sync_inside_a_step_is_a_runtime_error(dp):
+    with dp.step():
+        with pytest.raises(RuntimeError, match="outside a step"):
+            with dp.no_sync():
+                pass
+
+
+def test_no_sync_leaves_gradients_local(dp):
+    with dp.no_sync(), dp.step():
+        dp.grads[1] = np.full(4, 3.0)
+    np.testing.assert_array_equal(dp.grads[1], np.full(4, 3.0))
+
+
+def test_data_parallel_must_be_the_first_joinable(dp):
+    with Join([AllReducer(MPI.COMM_SELF), dp]):
+        with pytest.raises(RuntimeError, match="first joinable"):
+            with dp.step():
+                pass
+
+
+def test_join_shorthand_and_exception_in_a_step(dp):
+    with pytest.raises(KeyError):
+        with dp.join(divide_by_initial_world_size=False):
+            with dp.step():
+                dp.mark_ready(0)
+                dp.mark_ready(1)  # starts the bucket: the failed step must complete it
+                raise KeyError("in the step")
+    assert dp.divide_by_initial_world_size is False
+    assert outstanding_requests() == 0
