@@ -13,7 +13,7 @@ TEST_TIMEOUT ?= 60
 RUN_TIMEOUT  ?= 900
 PYTEST_MPI   := -m pytest --with-mpi -m mpi -q --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-.PHONY: venv test test-serial test-mpi demo clean
+.PHONY: venv test test-serial test-mpi demo bench clean
 
 venv: $(VENV)/.installed
 
@@ -35,6 +35,20 @@ test-mpi: venv
 	    || { rc=$$?; tail -n 200 .test-logs/*.log 2>/dev/null; \
 	         echo "MPI tests failed at $$n rank(s) (exit $$rc)"; exit 1; }; \
 	done
+
+demo: venv
+	$(MPIEXEC) -n 4 $(PY) -m mpi4py -m tensorplay_mpi.examples.train
+
+# Benchmarks: ratios measured side by side in one run; JSON and a PNG in benchmarks/results/.
+BENCH_RANKS ?= 2 4
+bench: venv
+	@mkdir -p benchmarks/results
+	@for n in $(BENCH_RANKS); do \
+	  echo "== benchmark at $$n ranks"; \
+	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_dp.py \
+	    --out benchmarks/results/dp-$$n-ranks.json || exit 1; \
+	done
+	$(PY) benchmarks/plot.py benchmarks/results/dp-*-ranks.json --out benchmarks/results/dp.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .test-logs

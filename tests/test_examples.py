@@ -67,3 +67,20 @@ def test_the_leak_check_can_fail(tmp_path):
 
 def test_make_data_is_deterministic():
     np.testing.assert_array_equal(make_data(10, 1), make_data(10, 1))
+
+
+@pytest.mark.parametrize("nprocs, flags", [
+    (1, []), (2, ["--divide", "active"]), (3, ["--skew", "0"]), (4, []),
+])
+def test_demo_training_is_accurate_exact_and_identical_on_every_rank(nprocs, flags):
+    result = run_mpi(nprocs, ["-m", "tensorplay_mpi.examples.train", *flags], timeout=300)
+    check_clean_exit(result)  # exit 0: held-out accuracy >= 0.95 and identical parameters
+    split = json.loads(re.search(r"split (\[[\d, ]+\])", result.stdout).group(1))
+    held_out = float(re.search(r"held-out accuracy ([\d.]+)", result.stdout).group(1))
+    assert len(split) == nprocs and sum(split) == 1438  # every sample once, none padded
+    if "--skew" in flags:  # skew 0: as even as possible
+        assert max(split) - min(split) <= 1
+    elif nprocs > 1:
+        assert split == sorted(split) and split[0] < split[-1] // 2
+    assert held_out >= 0.95
+    assert f"parameters identical on all {nprocs} ranks: yes" in result.stdout

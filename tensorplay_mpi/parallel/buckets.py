@@ -15,13 +15,21 @@ __all__ = ["Bucket", "GradientViews", "make_buckets"]
 class Bucket:
     """One flat gradient buffer and the parameters whose gradients live in it."""
 
-    __slots__ = ("flat", "members", "unready", "work")
+    __slots__ = ("flat", "members", "unready", "work", "_zeros")
 
     def __init__(self, dtype: np.dtype, members: list[int], sizes: list[int]) -> None:
         self.flat = np.zeros(sum(sizes), dtype=dtype)
         self.members = members  # parameter indices, in fill (reverse parameter) order
         self.unready = len(members)  # members not yet marked ready in this step
         self.work: Work | None = None  # the allreduce of this step, once started
+        self._zeros: np.ndarray | None = None
+
+    @property
+    def zeros(self) -> np.ndarray:
+        """A joined rank's contribution: made on first use (by joined ranks only), then reused."""
+        if self._zeros is None:
+            self._zeros = np.zeros_like(self.flat)
+        return self._zeros
 
 
 def make_buckets(params: list[np.ndarray], cap_bytes: float) -> tuple[list[Bucket], list[int],

@@ -252,17 +252,19 @@ class DataParallel(Joinable):
             )
         return syncing > 0, int(active_ranks[-1]), active
 
-    def _start_bucket(self, k: int) -> None:
+    def _start_bucket(self, k: int, shadow: bool = False) -> None:
         bucket = self._buckets[k]
-        bucket.work = iallreduce(self.comm, MPI.IN_PLACE, bucket.flat, MPI.SUM,
+        sendbuf = bucket.zeros if shadow else MPI.IN_PLACE
+        bucket.work = iallreduce(self.comm, sendbuf, bucket.flat, MPI.SUM,
                                  f"bucket {k} of {len(self._buckets)}")
         self._next_bucket = k + 1
 
-    def _finish_buckets(self) -> None:
+    def _finish_buckets(self, shadow: bool = False) -> None:
+        """Start the buckets not started yet (a joined rank: all, sending zeros), then average."""
         if not self._step_syncs:
             return
         for k in range(self._next_bucket, len(self._buckets)):
-            self._start_bucket(k)
+            self._start_bucket(k, shadow)
         divisor = self.size if self.divide_by_initial_world_size else self._active
         for bucket in self._buckets:
             bucket.work.wait()
@@ -303,10 +305,8 @@ class _DataParallelHook(JoinHook):
         dp = self.dp
         dp._step_syncs, root, dp._active = dp._exchange_control(None)
         dp._broadcast(dp.buffers, root, "buffer broadcast")
-        if dp._step_syncs:
-            dp.zero_grad()
-            dp._next_bucket = 0
-            dp._finish_buckets()
+        dp._next_bucket = 0
+        dp._finish_buckets(shadow=True)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Broadcast from the highest last joiner: buffers always, params unless all are last.
