@@ -48,7 +48,10 @@ bench: venv
 	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_dp.py \
 	    --out benchmarks/results/dp-$$n-ranks.json || exit 1; \
 	done
-	$(PY) benchmarks/plot.py benchmarks/results/dp-*-ranks.json --out benchmarks/results/dp.png
+	@echo "== benchmark at 2 ranks with MPICH's asynchronous progress thread"
+	MPIR_CVAR_ASYNC_PROGRESS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_dp.py \
+	  --out benchmarks/results/dp-2-ranks-async.json
+	$(PY) benchmarks/plot.py benchmarks/results/dp-*.json --out benchmarks/results/dp.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .test-logs

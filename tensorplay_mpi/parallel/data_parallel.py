@@ -203,14 +203,23 @@ class DataParallel(Joinable):
         if self._ready[index]:
             raise RuntimeError(f"mark_ready({index}) was already called in this step")
         self._ready[index] = True
-        if not self._step_syncs:
-            return
-        self._buckets[self._bucket_of[index]].unready -= 1
-        while (self._next_bucket < len(self._buckets)
-               and self._buckets[self._next_bucket].unready == 0):
+        if self._step_syncs:
+            self._buckets[self._bucket_of[index]].unready -= 1
+            self._start_ready_buckets()
+
+    def _start_ready_buckets(self) -> None:
+        """Start the next buckets whose gradients are all ready, one in flight at a time.
+
+        MPI progresses a nonblocking collective only inside MPI calls: this test of the
+        bucket in flight, made at every mark_ready(), is where the overlap happens.  One
+        bucket at a time: concurrent large allreduces run slower than back-to-back ones
+        (``make bench``).
+        """
+        buckets = self._buckets
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].unready == 0:
+            if self._next_bucket and not buckets[self._next_bucket - 1].work.is_completed():
+                return
             self._start_bucket(self._next_bucket)
-        for bucket in self._buckets[:self._next_bucket]:
-            bucket.work.is_completed()  # drives MPI progress of the started buckets
 
     # -- the active side --------------------------------------------------------------------
 
@@ -263,11 +272,14 @@ class DataParallel(Joinable):
         """Start the buckets not started yet (a joined rank: all, sending zeros), then average."""
         if not self._step_syncs:
             return
-        for k in range(self._next_bucket, len(self._buckets)):
-            self._start_bucket(k, shadow)
         divisor = self.size if self.divide_by_initial_world_size else self._active
-        for bucket in self._buckets:
+        last = len(self._buckets) - 1
+        for k, bucket in enumerate(self._buckets):
+            if self._next_bucket == k:
+                self._start_bucket(k, shadow)
             bucket.work.wait()
+            if self._next_bucket == k + 1 and k < last:
+                self._start_bucket(k + 1, shadow)  # posted before this bucket's division
             np.divide(bucket.flat, divisor, out=bucket.flat)
 
     def _wait_started_buckets(self) -> None:
