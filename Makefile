@@ -52,6 +52,10 @@ bench: venv
 	MPIR_CVAR_ASYNC_PROGRESS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_dp.py \
 	  --out benchmarks/results/dp-2-ranks-async.json
 	$(PY) benchmarks/plot.py benchmarks/results/dp-*.json --out benchmarks/results/dp.png
+	@for n in 1 2 4; do \
+	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_zero.py \
+	    --out benchmarks/results/zero-$$n-ranks.json || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .test-logs

@@ -1,10 +1,14 @@
 """tensorplay_mpi: uneven inputs on MPI without hangs (the Join API over mpi4py)."""
 
-from . import comm, data
+from . import comm, data, optim
 from .algorithms.join import Join, Joinable, JoinHook
 from .comm import Work
+from .optim import SGD, Adam, AdamW, ZeroRedundancyOptimizer
 from .parallel import DataParallel
 
 __version__ = "0.1.0"
 
-__all__ = ["DataParallel", "Join", "Joinable", "JoinHook", "Work", "comm", "data", "__version__"]
+__all__ = [
+    "SGD", "Adam", "AdamW", "DataParallel", "Join", "Joinable", "JoinHook", "Work",
+    "ZeroRedundancyOptimizer", "comm", "data", "optim", "__version__",
+]

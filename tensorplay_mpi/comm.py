@@ -19,6 +19,8 @@ __all__ = [
     "iallreduce",
     "ibcast",
     "iallgather",
+    "isend",
+    "irecv",
     "default_comm",
     "check_comm",
     "outstanding_requests",
@@ -210,3 +212,13 @@ def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "all
     return _start(what, comm.Iallgather, (sendbuf, recvbuf), (sendbuf, recvbuf),
                   lambda: recvbuf)
 
+
+
+def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send") -> Work:
+    """Start a point-to-point ``MPI_Isend`` of `buf` to `dest`."""
+    return _start(what, comm.Isend, (buf, dest, tag), (buf,), None)
+
+
+def irecv(comm: MPI.Intracomm, buf: Any, source: int, tag: int, what: str = "recv") -> Work:
+    """Start a point-to-point ``MPI_Irecv`` into `buf` from `source`; the result is `buf`."""
+    return _start(what, comm.Irecv, (buf, source, tag), (buf,), lambda: buf)

@@ -1,0 +1,76 @@
+"""ZeroRedundancyOptimizer benchmark: optimizer-state memory per rank and step time.
+
+    mpiexec -n 2 python -m mpi4py benchmarks/bench_zero.py --out zero-2-ranks.json
+
+- ``state_share``: this rank's Adam state bytes / a local Adam's (target <= 1/W + 0.05), the
+  largest over ranks;
+- ``step``: step time of ``Join([dp, zero])`` / ``Join([dp])`` with a local Adam, measured side by
+  side (slowest rank, median of interleaved repeats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+from bench_dp import side_by_side
+from mpi4py import MPI
+
+from tensorplay_mpi import Adam, DataParallel, Join, ZeroRedundancyOptimizer
+
+
+def model(total: int) -> list[np.ndarray]:
+    """`total` float32 parameters in 16 arrays of uneven sizes (as layers are)."""
+    weights = np.arange(1, 17, dtype=float)
+    sizes = np.floor(weights / weights.sum() * total).astype(int)
+    sizes[-1] += total - sizes.sum()
+    return [np.zeros(int(n), np.float32) for n in sizes]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--params", type=int, default=25_000_000)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+
+    params = model(args.params)
+    dp = DataParallel(params, comm=comm)
+    zero = ZeroRedundancyOptimizer(params, dp.grads, Adam, comm=comm, lr=1e-3)
+    local = Adam(params, dp.grads, lr=1e-3)
+    share = comm.allreduce(zero.state_nbytes / local.state_nbytes, op=MPI.MAX)
+
+    def train(joinables, optimizer) -> None:
+        with Join(joinables):
+            for _ in range(args.steps):
+                with dp.step():
+                    pass
+                optimizer.step()
+
+    step = side_by_side(comm, lambda: train([dp, zero], zero), lambda: train([dp], local),
+                        args.repeats)
+    report = {
+        "ranks": comm.size,
+        "cores": os.cpu_count(),
+        "oversubscribed": comm.size > (os.cpu_count() or 1),
+        "params": args.params,
+        "local_state_bytes": local.state_nbytes,
+        "max_sharded_state_bytes": comm.allreduce(zero.state_nbytes, op=MPI.MAX),
+        "state_share": share,
+        "state_share_target": 1 / comm.size + 0.05,
+        "step": step,
+    }
+    if comm.rank == 0:
+        print(f"{comm.size} ranks: state share {share:.4f} (target <= "
+              f"{report['state_share_target']:.4f}), step Join([dp, zero]) / Join([dp]) + Adam "
+              f"{step['ratio']:.3f} ({step['a_ms']:.0f} / {step['b_ms']:.0f} ms)", flush=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

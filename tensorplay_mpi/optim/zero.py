@@ -1,0 +1,181 @@
+"""ZeroRedundancyOptimizer: optimizer state sharded over ranks, as a Joinable.
+
+Each rank owns a shard of the parameters, keeps optimizer state only for it, and steps it;
+then every parameter is broadcast from its owner (one ``Ibcast`` per parameter, all started
+before any is waited: faster here than packing into one flat ``Iallgatherv`` and unpacking,
+and no extra buffer: 25.6 vs 55.6 ms for 25M float32 in 16 arrays at 2 ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mpi4py import MPI
+
+from ..algorithms.join import Join, Joinable, JoinHook
+from ..comm import Work, check_comm, default_comm, ibcast, irecv, isend
+from .local import Adam, Optimizer
+
+__all__ = ["ZeroRedundancyOptimizer", "partition"]
+
+_TAG = 0x2E60  # of the state messages of consolidate_state_dict
+
+
+def partition(nbytes: Sequence[int], size: int) -> list[int]:
+    """Owner rank of each parameter: largest first onto the least loaded rank (ties: lowest).
+
+    Deterministic: every rank computes the same owners from the same sizes.
+    """
+    loads = [0] * size
+    owners = [0] * len(nbytes)
+    for i in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
+        rank = min(range(size), key=lambda r: (loads[r], r))
+        owners[i] = rank
+        loads[rank] += nbytes[i]
+    return owners
+
+
+class ZeroRedundancyOptimizer(Joinable):
+    """Optimizer whose state is sharded over the ranks of `comm`.
+
+    Collective over `comm`: every rank constructs it with the same parameter shapes, and calls
+    :meth:`step` in the same iterations.
+
+    Parameters
+    ----------
+    params, grads : sequence of arrays
+        The parameters (updated in place on every rank) and their gradients (for example
+        ``dp.grads``, which hold the average after ``dp.step()``).
+    optimizer_class : type, default Adam
+        A local optimizer class from :mod:`tensorplay_mpi.optim`; it runs on this rank's shard.
+    comm : mpi4py.MPI.Intracomm, optional
+        Defaults to ``MPI.COMM_WORLD``.
+    **defaults
+        Hyperparameters of `optimizer_class` (``lr``, ``betas``, ...).
+
+    Notes
+    -----
+    Under ``Join([dp, zero])`` a joined rank's hook steps this rank's shard with the gradients
+    that DataParallel's hook wrote into ``dp.grads`` and takes part in the parameter sync, so
+    every shard advances as if its rank were active.  Call :meth:`step` once per iteration
+    (per ``dp.step()``): accumulate gradients inside one step rather than with ``no_sync``.
+    """
+
+    def __init__(self, params: Sequence[Any], grads: Sequence[Any],
+                 optimizer_class: type[Optimizer] = Adam, comm: MPI.Intracomm | None = None,
+                 **defaults: Any) -> None:
+        super().__init__()
+        self.comm = check_comm(default_comm() if comm is None else comm)
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.params = list(params)
+        grads = list(grads)
+        if len(grads) != len(self.params):
+            raise ValueError(f"got {len(self.params)} params but {len(grads)} grads")
+        self.optimizer_class = optimizer_class
+        self.owners = partition([p.nbytes for p in self.params], self.size)
+        self.shard = [i for i, owner in enumerate(self.owners) if owner == self.rank]
+        self.local = optimizer_class([self.params[i] for i in self.shard],
+                                     [grads[i] for i in self.shard], **defaults)
+        self._consolidated: dict[str, Any] | None = None
+
+    def step(self) -> None:
+        """Step this rank's shard, then broadcast every parameter from its owner.
+
+        Collective over ``comm``.
+        """
+        Join.notify_join_context(self)
+        self._step_shard_and_sync()
+
+    def _step_shard_and_sync(self) -> None:
+        self.local.step()
+        works = [ibcast(self.comm, p, self.owners[i], f"parameter sync {i}")
+                 for i, p in enumerate(self.params)]
+        for work in works:
+            work.wait()
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of optimizer state held by this rank (its shard only)."""
+        return self.local.state_nbytes
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full optimizer state on rank `to` (point-to-point, nonblocking).
+
+        Collective over ``comm``: every rank calls it, outside a Join.  Afterwards
+        :meth:`state_dict` on rank `to` returns the full state.
+        """
+        if not 0 <= to < self.size:
+            raise ValueError(f"to must be a rank in [0, {self.size}), got {to!r}")
+        mine = self.local.state_dict()
+        full = {k: mine[k] for k in ("optimizer", "defaults", "steps")}
+        full["state"] = {i: mine["state"][k] for k, i in enumerate(self.shard)}
+        works: list[Work] = []
+        for i, owner in enumerate(self.owners):
+            if owner == to or self.rank not in (owner, to):
+                continue
+            if self.rank == to:
+                full["state"][i] = {}
+            for name in self.local.state_names:  # in order: MPI never overtakes a message
+                if self.rank == owner:
+                    works.append(isend(self.comm, full["state"][i][name], to, _TAG))
+                else:
+                    buf = full["state"][i][name] = self.params[i] * 0
+                    works.append(irecv(self.comm, buf, owner, _TAG))
+        for work in works:
+            work.wait()
+        if self.rank == to:
+            full["state"] = dict(sorted(full["state"].items()))
+        self._consolidated = full if self.rank == to else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state gathered by :meth:`consolidate_state_dict`, on its rank `to`.
+
+        Raises
+        ------
+        RuntimeError
+            On other ranks, or before :meth:`consolidate_state_dict`.
+        """
+        if self._consolidated is None:
+            raise RuntimeError(f"rank {self.rank}: no consolidated state here; call "
+                               "consolidate_state_dict(to) on every rank, then state_dict() "
+                               "on rank `to`")
+        return self._consolidated
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state dict (from any world size, or a local optimizer): take this shard.
+
+        Raises
+        ------
+        ValueError
+            If it does not match these parameters or this optimizer class.
+        """
+        state = state_dict["state"]
+        if sorted(state) != list(range(len(self.params))):
+            raise ValueError(f"state dict holds parameters {sorted(state)}, this optimizer has "
+                             f"{len(self.params)}")
+        shard = dict(state_dict, state={k: state[i] for k, i in enumerate(self.shard)})
+        self.local.load_state_dict(shard)
+
+    # -- Joinable ------------------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _ZeroHook(self)
+
+    @property
+    def join_device(self) -> str:
+        return "cpu"
+
+    @property
+    def join_process_group(self) -> MPI.Intracomm:
+        return self.comm
+
+
+class _ZeroHook(JoinHook):
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        """Step this rank's shard with its gradients and take part in the parameter sync."""
+        self.zero._step_shard_and_sync()

@@ -1,0 +1,132 @@
+"""ZeroRedundancyOptimizer under mpiexec: exact against local optimizers, uneven inputs."""
+
+import numpy as np
+import pytest
+from helpers import assert_all
+from linear import gradient, initial_params, make_problem, rank_batches
+from test_data_parallel_mpi import UNEVEN, gathered_equal
+from test_join_mpi import inputs_of
+
+from tensorplay_mpi import SGD, Adam, DataParallel, Join, ZeroRedundancyOptimizer
+
+OPTIMIZERS = {
+    "adam": (Adam, {"lr": 0.05, "betas": (0.8, 0.99), "eps": 1e-8}),
+    "sgd_momentum": (SGD, {"lr": 0.1, "momentum": 0.9}),
+}
+
+
+def many_params():
+    """Several parameters of different sizes, so that every rank owns a shard."""
+    rng = np.random.default_rng(11)
+    return [rng.normal(size=shape) for shape in [(4, 3), (3,), (6,), (2, 2), (5,), (1,)]]
+
+
+def train(comm, inputs, optimizer, zero):
+    """DataParallel + (ZeRO or a local optimizer) on the linear problem; per-step history."""
+    optimizer_class, hyper = OPTIMIZERS[optimizer]
+    x, y = make_problem()
+    params = initial_params()
+    dp = DataParallel(params, comm=comm, bucket_cap_mb=1e-6)
+    if zero:
+        opt = ZeroRedundancyOptimizer(params, dp.grads, optimizer_class, comm=comm, **hyper)
+    else:
+        opt = optimizer_class(params, dp.grads, **hyper)
+    history = []
+    with Join([dp, opt] if zero else [dp]):
+        for idx in rank_batches(inputs, comm.rank):
+            with dp.step():
+                for i, g in enumerate(gradient(params, x[idx], y[idx])):
+                    dp.grads[i] = g
+            opt.step()
+            history.append([p.copy() for p in params])
+    return params, history
+
+
+def all_close(a, b, rtol=1e-12):
+    return len(a) == len(b) and all(np.allclose(x, y, rtol=rtol, atol=1e-14) for x, y in zip(a, b))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", UNEVEN)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_dp_and_zero_equal_dp_and_a_local_optimizer_after_every_step(comm, pattern, optimizer):
+    inputs = inputs_of(pattern, comm.size)
+    params, history = train(comm, inputs, optimizer, zero=True)
+    _, expected = train(comm, inputs, optimizer, zero=False)
+    steps_match = all(all_close(a, b) for a, b in zip(history, expected))
+    assert_all(len(history) == len(expected) == inputs[comm.rank] and steps_match,
+               "ZeRO's parameters left the local optimizer's")
+    assert_all(gathered_equal(params, comm), "parameters differ across ranks at exit")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", UNEVEN)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_zero_alone_keeps_stepping_the_shards_of_joined_ranks(comm, pattern, optimizer):
+    optimizer_class, hyper = OPTIMIZERS[optimizer]
+    inputs = inputs_of(pattern, comm.size)
+    params = many_params()
+    grads = [np.sin(np.arange(p.size) + i).reshape(p.shape) for i, p in enumerate(params)]
+    zero = ZeroRedundancyOptimizer(params, grads, optimizer_class, comm=comm, **hyper)
+    with Join([zero]):
+        for _ in range(inputs[comm.rank]):
+            zero.step()
+    expected = many_params()
+    reference = optimizer_class(expected, grads, **hyper)
+    for _ in range(max(inputs)):
+        reference.step()
+    assert_all(all_close(params, expected), "a shard fell behind")
+    assert_all(gathered_equal(params, comm), "parameters differ across ranks at exit")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_checkpoint_restores_on_a_different_world_size(comm, optimizer):
+    optimizer_class, hyper = OPTIMIZERS[optimizer]
+    params = many_params()
+    grads = [np.zeros_like(p) for p in params]
+
+    def set_grads(t):
+        for i, g in enumerate(grads):
+            g[...] = np.cos(np.arange(g.size) * (t + 1) + i).reshape(g.shape)
+
+    zero = ZeroRedundancyOptimizer(params, grads, optimizer_class, comm=comm, **hyper)
+    for t in range(3):
+        set_grads(t)
+        zero.step()
+    zero.consolidate_state_dict(to=0)
+    try:
+        zero.state_dict()
+        others_refused = comm.rank == 0
+    except RuntimeError:
+        others_refused = comm.rank != 0
+    state = comm.bcast(zero.state_dict() if comm.rank == 0 else None, root=0)
+    assert_all(others_refused, "state_dict() answered on a rank other than `to`")
+
+    # continue on a communicator of another size: ranks 0..n-2 together, the last one alone
+    sub = comm.Split(color=int(comm.rank == comm.size - 1 and comm.size > 1), key=comm.rank)
+    restored = ZeroRedundancyOptimizer(params, grads, optimizer_class, comm=sub, **hyper)
+    restored.load_state_dict(state)
+    for t in range(3, 6):
+        set_grads(t)
+        restored.step()
+    sub_size = sub.size
+    sub.Free()
+
+    expected = many_params()
+    reference = optimizer_class(expected, grads, **hyper)
+    for t in range(6):
+        set_grads(t)
+        reference.step()
+    assert_all(all_close(params, expected), f"restored at size {sub_size}: params left the reference")
+
+
+@pytest.mark.mpi
+def test_state_is_sharded(comm):
+    params = [np.zeros(1000) for _ in range(12)]
+    zero = ZeroRedundancyOptimizer(params, [p.copy() for p in params], Adam, comm=comm)
+    local = Adam(params, [p.copy() for p in params])
+    share = zero.state_nbytes / local.state_nbytes
+    total = comm.allreduce(zero.state_nbytes)
+    assert_all(share <= 1 / comm.size + 0.05, f"this rank holds {share:.3f} of the state")
+    assert_all(total == local.state_nbytes, f"shards add up to {total}")
