@@ -11,7 +11,9 @@ Every timing is the slowest rank's, the median over interleaved repeats (A, B, A
 3. ``overlap``: step time with ``mark_ready`` / without, compute about as long as the
                 communication (target <= 0.9);
 4. ``shadow``:  time a joined rank spends in one main-hook round / the active ranks'
-                communication time per step (target <= 1.1).
+                communication time per step (target <= 1.1);
+5. ``debug``:   step time with the ``TENSORPLAY_MPI_DEBUG`` signature checks / without (a cost
+                to report, no target).
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import DataParallel, Join
+from tensorplay_mpi import DataParallel, Join, guard
 from tensorplay_mpi.parallel import data_parallel
 
 TARGETS = {"join": 1.01, "reduce": 1.10, "reduce_vs_manual": 1.10, "overlap": 0.9,
-           "shadow": 1.1}
+           "shadow": 1.1, "debug": None}
 PIECES = 8  # parameters per model, equal sizes
 
 
@@ -100,6 +102,8 @@ def bench_size(comm: MPI.Intracomm, total: int, steps: int, repeats: int) -> dic
     split = DataParallel(params, comm=comm, bucket_cap_mb=params[0].nbytes / 2**20)
     results["overlap"] = side_by_side(comm, lambda: train(split, True, True),
                                       lambda: train(split, True, False), repeats)
+    results["debug"] = side_by_side(comm, lambda: debug_mode(True, lambda: train(dp, True, False)),
+                                    lambda: train(dp, True, False), repeats)
     results["reduce_vs_manual"] = side_by_side(
         comm, lambda: reduce_only(dp),
         lambda: (comm.Allreduce(MPI.IN_PLACE, flat), np.divide(flat, comm.size, out=flat)),
@@ -107,6 +111,15 @@ def bench_size(comm: MPI.Intracomm, total: int, steps: int, repeats: int) -> dic
     results["shadow"] = shadow_ratio(comm, dp, steps, repeats, reduce_only, refill)
     results["buckets"] = {"default": len(dp._buckets), "overlap": len(split._buckets)}
     return results
+
+
+def debug_mode(on: bool, fn) -> None:
+    """Run `fn` with TENSORPLAY_MPI_DEBUG's signature checks switched `on`."""
+    previous, guard.DEBUG = guard.DEBUG, on
+    try:
+        fn()
+    finally:
+        guard.DEBUG = previous
 
 
 def shadow_ratio(comm, dp: DataParallel, steps: int, repeats: int, reduce_only, refill) -> dict:

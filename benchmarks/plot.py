@@ -32,10 +32,11 @@ def main() -> None:
     for i, (name, row) in enumerate(series):
         xs = [m + (i - (len(series) - 1) / 2) * width for m in range(len(metrics))]
         ax.bar(xs, [row[m]["ratio"] for m in metrics], width, label=name)
+    targets = reports[0]["targets"]
     for m, metric in enumerate(metrics):
-        target = reports[0]["targets"][metric]
-        ax.hlines(target, m - 0.45, m + 0.45, colors="black", linestyles="dashed")
-    ax.set_xticks(range(len(metrics)), [f"{m}\n(target {reports[0]['targets'][m]})"
+        if targets[metric] is not None:
+            ax.hlines(targets[metric], m - 0.45, m + 0.45, colors="black", linestyles="dashed")
+    ax.set_xticks(range(len(metrics)), [f"{m}\n(target {targets[m] or 'none'})"
                                         for m in metrics])
     ax.set_ylabel("ratio (lower is better)")
     ax.set_title("DataParallel: ratios measured side by side (medians)")

@@ -5,14 +5,23 @@ a nonblocking one.  Every collective that tensorplay_mpi issues, and every shado
 issues, therefore starts a nonblocking operation here and completes it through :class:`Work`.
 Custom joinables should use these functions too (never ``comm.Allreduce`` and friends), so that
 a joined rank's shadow always matches what an active rank issued.
+
+Every wait has a deadline and polls, on a guarded communicator (one used by a Join, a
+DataParallel or a ZeroRedundancyOptimizer), for failure notices of other ranks; see
+:mod:`tensorplay_mpi.guard`.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+import traceback
 from typing import Any, Callable
 
 from mpi4py import MPI
+
+from .errors import CollectiveTimeoutError
 
 __all__ = [
     "Work",
@@ -22,20 +31,59 @@ __all__ = [
     "isend",
     "irecv",
     "default_comm",
+    "default_timeout",
+    "resolve_timeout",
     "check_comm",
     "outstanding_requests",
 ]
 
 _outstanding = 0  # started and not yet completed Works, process-wide (tests check it is 0)
 
-# A wait with a deadline polls MPI_Test: it spins this long first (low latency, full progress),
-# then sleeps with exponential back-off so an oversubscribed node is not burned by idle ranks.
+# A wait spins on MPI_Test while data may be moving (a nonblocking collective progresses only
+# inside MPI calls): 1 ms plus the time to move its bytes at 1 GB/s.  Then it sleeps between
+# tests, 10 us doubling up to 250 us, so that a rank waiting for slower peers leaves the core to
+# them on an oversubscribed node, at a cost of at most 250 us of latency.  While spinning it
+# yields the core after every test, which costs nothing when no other process wants it.
 _SPIN_S = 1e-3
-_MAX_SLEEP_S = 1e-3
+_SPIN_BYTES_PER_S = 1e9
+_MIN_SLEEP_S = 1e-5
+_MAX_SLEEP_S = 2.5e-4
+_POLL_EVERY = 64  # tests between two looks for failure notices while spinning
+
+GUARD_KEYVAL = MPI.Comm.Create_keyval(delete_fn=lambda comm, keyval, guard: guard.free())
+"""Attribute key of a communicator's :class:`~tensorplay_mpi.guard.Guard`."""
+
+
+def default_timeout() -> float:
+    """Seconds a library wait may take: ``$TENSORPLAY_MPI_TIMEOUT``, default 1800.
+
+    Raises
+    ------
+    ValueError
+        If the variable is set to something that is not a positive number.
+    """
+    text = os.environ.get("TENSORPLAY_MPI_TIMEOUT", "1800")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"TENSORPLAY_MPI_TIMEOUT must be a positive number of seconds, "
+                         f"got {text!r}")
+    return value
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """`timeout` checked to be positive, or :func:`default_timeout` for ``None``."""
+    if timeout is None:
+        return default_timeout()
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
 
 
 class Work:
-    """Handle of one started nonblocking collective.
+    """Handle of one started nonblocking operation.
 
     The handle owns the MPI request and keeps the buffers of the operation alive until it
     completes (MPI forbids freeing or reusing them earlier).
@@ -45,22 +93,22 @@ class Work:
     request : mpi4py.MPI.Request
         The started operation.
     what : str
-        What the operation is, for error messages (``"heartbeat"``, ``"poll"``, ...).
+        What the operation is, for error messages (``"heartbeat (iteration 3)"``, ...).
     keep : tuple
         Objects to keep alive until completion (the send and receive buffers).
     finish : callable, optional
         Called once on completion; its return value is :meth:`result`.
+    comm : mpi4py.MPI.Comm, optional
+        The communicator: its guard, if any, is polled for failure notices while waiting, and
+        it is aborted when a wait passes its deadline.
     """
 
-    __slots__ = ("_request", "_what", "_keep", "_finish", "_result", "_done")
+    __slots__ = ("_request", "_what", "_keep", "_finish", "_result", "_done", "_comm",
+                 "_guard", "_nbytes")
 
-    def __init__(
-        self,
-        request: MPI.Request,
-        what: str,
-        keep: tuple = (),
-        finish: Callable[[], Any] | None = None,
-    ) -> None:
+    def __init__(self, request: MPI.Request, what: str, keep: tuple = (),
+                 finish: Callable[[], Any] | None = None, comm: MPI.Comm | None = None,
+                 guard: Any = None) -> None:
         global _outstanding
         self._request = request
         self._what = what
@@ -68,6 +116,9 @@ class Work:
         self._finish = finish
         self._result: Any = None
         self._done = False
+        self._comm = comm
+        self._guard = guard
+        self._nbytes = sum(getattr(b, "nbytes", 0) for b in keep)
         _outstanding += 1
 
     def __repr__(self) -> str:
@@ -76,7 +127,7 @@ class Work:
 
     @property
     def what(self) -> str:
-        """What the operation is (``"heartbeat"``, ``"poll"``, ...)."""
+        """What the operation is."""
         return self._what
 
     def is_completed(self) -> bool:
@@ -91,7 +142,11 @@ class Work:
         Parameters
         ----------
         timeout : float, optional
-            Seconds to wait at most; ``None`` waits forever.
+            Seconds to wait at most, after which :class:`TimeoutError` is raised and the
+            operation stays pending and owned by this handle (wait again later).  ``None``
+            waits up to the library deadline (``$TENSORPLAY_MPI_TIMEOUT``, 1800 s), after
+            which :class:`~tensorplay_mpi.errors.CollectiveTimeoutError` is reported and the
+            communicator aborted.
 
         Returns
         -------
@@ -101,30 +156,58 @@ class Work:
         Raises
         ------
         TimeoutError
-            If the operation did not complete within `timeout`.  The operation stays
-            pending and owned by this handle: wait again later.
+            If an explicit `timeout` expired.
+        tensorplay_mpi.errors.PeerFailureError
+            If another rank failed while this one waited (guarded communicators).
         """
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
-        if self._done:
-            return True
         if timeout is None:
-            self._request.Wait()
-            self._complete()
-            return True
+            return self.wait_or_abort(default_timeout())
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
+        waited = self._wait_until(timeout)
+        if waited is not None:
+            raise TimeoutError(f"rank {MPI.COMM_WORLD.Get_rank()}: {self._what} did not "
+                               f"complete within {timeout:g} s")
+        return True
+
+    def wait_or_abort(self, timeout: float, poll: bool = True) -> bool:
+        """Wait at most `timeout` s; then report a CollectiveTimeoutError and abort.
+
+        This is the one wait of every library collective.  A half-matched communicator
+        cannot be reused, so a collective that does not complete in time ends the job.
+        `poll` False skips failure notices (the failure protocol's own waits).
+        """
+        waited = self._wait_until(timeout, poll)
+        if waited is not None:
+            error = CollectiveTimeoutError(
+                f"rank {MPI.COMM_WORLD.Get_rank()}: {self._what} did not complete after "
+                f"{waited:.1f} s (timeout {timeout:g} s); aborting the communicator")
+            _report_and_abort(error, self._comm)
+        return True
+
+    def _wait_until(self, timeout: float, poll: bool = True) -> float | None:
+        """Test until completion (None) or until `timeout` passes (the seconds waited)."""
+        if self.is_completed():
+            return None
+        guard = self._guard if poll else None
         start = time.monotonic()
-        sleep = 1e-6
+        spin = _SPIN_S + self._nbytes / _SPIN_BYTES_PER_S
+        sleep, tests = _MIN_SLEEP_S, 0
         while not self.is_completed():
+            tests += 1
             waited = time.monotonic() - start
             if waited >= timeout:
-                raise TimeoutError(
-                    f"rank {MPI.COMM_WORLD.Get_rank()}: {self._what} did not complete "
-                    f"within {timeout:g} s"
-                )
-            if waited > _SPIN_S:
-                time.sleep(min(sleep, timeout - waited))
-                sleep = min(2 * sleep, _MAX_SLEEP_S)
-        return True
+                return waited
+            if waited < spin:
+                if guard is not None and tests % _POLL_EVERY == 0:
+                    guard.poll(self._what, start)
+                os.sched_yield()  # lets a peer sharing this core run (as MPICH's Wait does)
+                continue
+            if guard is not None:
+                guard.poll(self._what, start)
+            time.sleep(min(sleep, timeout - waited))
+            sleep = min(2 * sleep, _MAX_SLEEP_S)
+        return None
 
     def result(self) -> Any:
         """The operation's result; only after completion (:meth:`wait` first).
@@ -145,6 +228,14 @@ class Work:
         if self._finish is not None:
             self._result = self._finish()
         self._keep = self._finish = None
+
+
+def _report_and_abort(error: BaseException, comm: MPI.Comm | None) -> None:
+    """Print `error` with the stack that led to it, then abort `comm` (the job ends)."""
+    stack = "".join(traceback.format_stack()[:-2])
+    sys.stderr.write(f"{stack}{type(error).__module__}.{type(error).__name__}: {error}\n")
+    sys.stderr.flush()
+    (comm if comm is not None else MPI.COMM_WORLD).Abort(1)
 
 
 def outstanding_requests() -> int:
@@ -174,9 +265,27 @@ def check_comm(comm: Any, name: str = "comm") -> MPI.Intracomm:
     return comm
 
 
-def _start(what: str, start: Callable[..., MPI.Request], args: tuple, keep: tuple,
-           finish: Callable[[], Any] | None) -> Work:
-    return Work(start(*args), what, keep, finish)
+def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Request],
+           args: tuple, keep: tuple, finish: Callable[[], Any] | None,
+           signature: Callable[[], str] | None = None) -> Work:
+    guard = comm.Get_attr(GUARD_KEYVAL)
+    if guard is not None:
+        guard.before_collective(kind, what, signature)
+    return Work(start(*args), what, keep, finish, comm, guard)
+
+
+_OPS = ("SUM", "PROD", "MAX", "MIN", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
+
+
+def _op_name(op: MPI.Op) -> str:
+    return next((name for name in _OPS if op == getattr(MPI, name)), "user-defined")
+
+
+def _describe(buf: Any) -> str:
+    if buf is MPI.IN_PLACE:
+        return "IN_PLACE"
+    dtype, size = getattr(buf, "dtype", None), getattr(buf, "size", None)
+    return f"{size}x{dtype}" if dtype is not None else type(buf).__name__
 
 
 def iallreduce(
@@ -193,7 +302,9 @@ def iallreduce(
     Collective over `comm`: every rank must call it.  `sendbuf` may be ``MPI.IN_PLACE``.
     """
     result = (lambda: recvbuf) if finish is None else (lambda: finish(recvbuf))
-    return _start(what, comm.Iallreduce, (sendbuf, recvbuf, op), (sendbuf, recvbuf), result)
+    return _start(comm, what, "allreduce", comm.Iallreduce, (sendbuf, recvbuf, op),
+                  (sendbuf, recvbuf), result,
+                  lambda: f"allreduce {_describe(recvbuf)} op={_op_name(op)}")
 
 
 def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Work:
@@ -201,7 +312,8 @@ def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Wor
 
     Collective over `comm`: every rank must call it.
     """
-    return _start(what, comm.Ibcast, (buf, root), (buf,), lambda: buf)
+    return _start(comm, what, "bcast", comm.Ibcast, (buf, root), (buf,), lambda: buf,
+                  lambda: f"bcast {_describe(buf)} root={root}")
 
 
 def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "allgather") -> Work:
@@ -209,16 +321,16 @@ def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "all
 
     Collective over `comm`: every rank must call it.
     """
-    return _start(what, comm.Iallgather, (sendbuf, recvbuf), (sendbuf, recvbuf),
-                  lambda: recvbuf)
-
+    return _start(comm, what, "allgather", comm.Iallgather, (sendbuf, recvbuf),
+                  (sendbuf, recvbuf), lambda: recvbuf,
+                  lambda: f"allgather {_describe(sendbuf)}")
 
 
 def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send") -> Work:
     """Start a point-to-point ``MPI_Isend`` of `buf` to `dest`."""
-    return _start(what, comm.Isend, (buf, dest, tag), (buf,), None)
+    return _start(comm, what, "send", comm.Isend, (buf, dest, tag), (buf,), None)
 
 
 def irecv(comm: MPI.Intracomm, buf: Any, source: int, tag: int, what: str = "recv") -> Work:
     """Start a point-to-point ``MPI_Irecv`` into `buf` from `source`; the result is `buf`."""
-    return _start(what, comm.Irecv, (buf, source, tag), (buf,), lambda: buf)
+    return _start(comm, what, "recv", comm.Irecv, (buf, source, tag), (buf,), lambda: buf)

@@ -22,7 +22,8 @@ def mpiexec_path():
             or shutil.which("mpiexec"))
 
 
-def run_mpi(nprocs, args, timeout=120):
-    """Run ``mpiexec -n nprocs python -m mpi4py ARGS`` with a hard timeout; return the result."""
+def run_mpi(nprocs, args, timeout=120, **env):
+    """Run ``mpiexec -n nprocs python -m mpi4py ARGS`` with a hard timeout and extra `env`."""
     cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, "-m", "mpi4py", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, **env))

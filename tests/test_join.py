@@ -164,3 +164,14 @@ def test_work_result_and_negative_timeout(comm):
         assert work.result() == 1
         with pytest.raises(ValueError, match="timeout"):
             Join.notify_join_context(joinable).wait(timeout=-1)
+
+
+def test_a_timeout_must_be_positive(comm):
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        Join([AllReducer(comm)], timeout=0)
+
+
+def test_a_bad_timeout_variable_is_a_value_error(comm, monkeypatch):
+    monkeypatch.setenv("TENSORPLAY_MPI_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="TENSORPLAY_MPI_TIMEOUT must be a positive number"):
+        Join([AllReducer(comm)])

@@ -21,7 +21,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..buffers import check_device
-from ..comm import Work, check_comm, iallreduce
+from ..comm import Work, check_comm, iallreduce, resolve_timeout
+from ..guard import Guard
 
 __all__ = ["Join", "Joinable", "JoinHook"]
 
@@ -120,6 +121,10 @@ class Join:
     throw_on_early_termination : bool, default False
         Raise ``RuntimeError`` on every rank as soon as one rank runs out of inputs, instead
         of shadowing.
+    timeout : float, optional
+        Seconds any of the Join's waits may take before the job is aborted with
+        :class:`~tensorplay_mpi.errors.CollectiveTimeoutError`; default
+        ``$TENSORPLAY_MPI_TIMEOUT`` or 1800.
     **kwargs
         Passed to every joinable's :meth:`Joinable.join_hook`.
 
@@ -136,7 +141,9 @@ class Join:
     Hooks are built here, in ``__init__``.  The Join is single-use; it is entered once.  The
     joinables are bound to it from ``__enter__`` until ``__exit__`` returns, so
     ``notify_join_context`` outside the block returns ``None``.  An exception inside the
-    block propagates unchanged and no hook runs.
+    block propagates unchanged and no hook runs; the other ranks learn of it inside their
+    next library wait and raise :class:`~tensorplay_mpi.errors.PeerFailureError` (see
+    :mod:`tensorplay_mpi.guard`).
 
     Examples
     --------
@@ -194,6 +201,7 @@ class Join:
         joinables: Iterable[Joinable],
         enable: bool = True,
         throw_on_early_termination: bool = False,
+        timeout: float | None = None,
         **kwargs: Any,
     ) -> None:
         self._joinables = list(joinables)
@@ -204,9 +212,12 @@ class Join:
         self._device = check_device(first.join_device, "join_device")
         self._enable = bool(enable)
         self._throw_on_early_termination = bool(throw_on_early_termination)
+        self._timeout = resolve_timeout(timeout)
         self._join_hooks = [joinable.join_hook(**kwargs) for joinable in self._joinables]
         self._heartbeats: list[Work] = []  # started heartbeats, owned until they complete
         self._count = np.zeros(1, dtype=np.int64)  # the one buffer of every poll/throw pair
+        self._guard: Guard | None = None
+        self._iterations = 0  # heartbeats sent
         self._entered = False
         self._joining = False
 
@@ -239,18 +250,31 @@ class Join:
                     "two Joins cannot share a joinable"
                 )
         self._entered = True
+        self._guard = Guard.attach(self._comm)
         for i, joinable in enumerate(self._joinables):
             joinable._join_config = _JoinConfig(self, is_first_joinable=(i == 0))
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            self._wait_heartbeats()
-            if exc_type is None and self._enable:
-                self._join_loop()
+            if exc is not None:
+                self._settle(exc)
+            else:
+                self._wait_heartbeats()
+                if self._enable:
+                    try:
+                        self._join_loop()
+                    except BaseException as error:
+                        self._settle(error)
+                        raise
         finally:
             for joinable in self._joinables:
                 joinable._join_config = None
+
+    def _settle(self, error: BaseException) -> None:
+        """The failure path: agree with every rank; complete the heartbeats if still possible."""
+        if self._guard.settle(error, self._timeout):
+            self._wait_heartbeats()
 
     @staticmethod
     def notify_join_context(joinable: Joinable) -> Work | None:
@@ -285,10 +309,13 @@ class Join:
 
     def _heartbeat(self) -> Work:
         self._heartbeats = [w for w in self._heartbeats if not w.is_completed()]
+        self._iterations += 1
         recv = np.empty(1, dtype=np.int64)
-        work = iallreduce(self._comm, _ONE, recv, MPI.SUM, "heartbeat", finish=_first_int)
+        work = iallreduce(self._comm, _ONE, recv, MPI.SUM,
+                          f"heartbeat (iteration {self._iterations})", finish=_first_int)
         self._heartbeats.append(work)
-        if self._throw_on_early_termination and self._sum_over_ranks(0, "throw check") > 0:
+        if self._throw_on_early_termination and self._sum_over_ranks(
+                0, f"throw check (iteration {self._iterations})") > 0:
             raise RuntimeError(
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks."
             )
@@ -297,12 +324,13 @@ class Join:
     def _wait_heartbeats(self) -> None:
         # Safe on every path: each rank started the same heartbeats in the same order.
         for work in self._heartbeats:
-            work.wait()
+            work.wait_or_abort(self._timeout)
         self._heartbeats.clear()
 
     def _sum_over_ranks(self, value: int, what: str) -> int:
         self._count[0] = value
-        iallreduce(self._comm, MPI.IN_PLACE, self._count, MPI.SUM, what).wait()
+        iallreduce(self._comm, MPI.IN_PLACE, self._count, MPI.SUM, what).wait_or_abort(
+            self._timeout)
         return int(self._count[0])
 
     def _join_loop(self) -> None:
@@ -320,7 +348,7 @@ class Join:
                     "degradation.",
                     stacklevel=3,
                 )
-            if self._sum_over_ranks(0, "poll") == 0:
+            if self._sum_over_ranks(0, f"poll (round {rounds + 1} after joining)") == 0:
                 break
             if self._throw_on_early_termination:
                 self._sum_over_ranks(1, "throw notice")

@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from ..algorithms.join import Join, Joinable, JoinHook
 from ..comm import Work, check_comm, default_comm, ibcast, irecv, isend
+from ..guard import Guard
 from .local import Adam, Optimizer
 
 __all__ = ["ZeroRedundancyOptimizer", "partition"]
@@ -72,6 +73,7 @@ class ZeroRedundancyOptimizer(Joinable):
         if len(grads) != len(self.params):
             raise ValueError(f"got {len(self.params)} params but {len(grads)} grads")
         self.optimizer_class = optimizer_class
+        Guard.attach(self.comm)
         self.owners = partition([p.nbytes for p in self.params], self.size)
         self.shard = [i for i, owner in enumerate(self.owners) if owner == self.rank]
         self.local = optimizer_class([self.params[i] for i in self.shard],

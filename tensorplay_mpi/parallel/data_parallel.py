@@ -24,7 +24,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.join import Join, Joinable, JoinHook
-from ..comm import Work, check_comm, default_comm, iallgather, iallreduce, ibcast
+from ..comm import (Work, check_comm, default_comm, iallgather, iallreduce, ibcast,
+                    resolve_timeout)
+from ..guard import Guard
 from .buckets import GradientViews, make_buckets
 
 __all__ = ["DataParallel"]
@@ -44,9 +46,9 @@ def _check_arrays(arrays: Sequence[Any], name: str, floating: bool) -> list[np.n
     return arrays
 
 
-def _wait_all(works: list[Work]) -> None:
+def _wait_all(works: list[Work], timeout: float) -> None:
     for work in works:
-        work.wait()
+        work.wait_or_abort(timeout)
 
 
 class DataParallel(Joinable):
@@ -69,6 +71,10 @@ class DataParallel(Joinable):
     buffers : sequence of numpy.ndarray, default ()
         Non-trained state (running statistics, ...): broadcast at each step start from the
         highest active rank.
+    timeout : float, optional
+        Seconds any wait may take before the job is aborted with
+        :class:`~tensorplay_mpi.errors.CollectiveTimeoutError`; default
+        ``$TENSORPLAY_MPI_TIMEOUT`` or 1800.
 
     Attributes
     ----------
@@ -95,10 +101,12 @@ class DataParallel(Joinable):
         bucket_cap_mb: float = 25.0,
         broadcast_from: int = 0,
         buffers: Sequence[np.ndarray] = (),
+        timeout: float | None = None,
     ) -> None:
         super().__init__()
         self.comm = check_comm(default_comm() if comm is None else comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.timeout = resolve_timeout(timeout)
         self.params = _check_arrays(params, "params", floating=True)
         self.buffers = _check_arrays(buffers, "buffers", floating=False)
         if not bucket_cap_mb > 0:
@@ -106,6 +114,8 @@ class DataParallel(Joinable):
         if not 0 <= broadcast_from < self.size:
             raise ValueError(f"broadcast_from must be a rank in [0, {self.size}), got "
                              f"{broadcast_from!r}")
+        self._guard = Guard.attach(self.comm)
+        self._steps = 0
         self._check_same_on_every_rank()
         self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20)
         self.grads = GradientViews(views)
@@ -128,7 +138,7 @@ class DataParallel(Joinable):
         digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
         mine = np.frombuffer(digest, dtype=np.int64).copy()
         every = np.empty(self.size, dtype=np.int64)
-        iallgather(self.comm, mine, every, "parameter layout check").wait()
+        iallgather(self.comm, mine, every, "parameter layout check").wait_or_abort(self.timeout)
         if (every != every[0]).any():
             groups: dict[int, list[int]] = {}
             for rank, value in enumerate(every.tolist()):
@@ -140,7 +150,8 @@ class DataParallel(Joinable):
             )
 
     def _broadcast(self, arrays: list[np.ndarray], root: int, what: str) -> None:
-        _wait_all([ibcast(self.comm, a, root, f"{what} {i}") for i, a in enumerate(arrays)])
+        _wait_all([ibcast(self.comm, a, root, f"{what} {i + 1} of {len(arrays)}")
+                   for i, a in enumerate(arrays)], self.timeout)
 
     # -- the public step API --------------------------------------------------------------
 
@@ -182,8 +193,9 @@ class DataParallel(Joinable):
         self._in_step = True
         try:
             yield self
-        except BaseException:
-            self._wait_started_buckets()  # never leave a request behind
+        except BaseException as error:
+            if self._guard.settle(error, self.timeout):
+                self._wait_started_buckets()  # never leave a request behind
             raise
         else:
             self._finish_buckets()
@@ -230,9 +242,10 @@ class DataParallel(Joinable):
                 and not config.is_first_joinable:
             raise RuntimeError("DataParallel must be the first joinable of its Join: "
                                "Join([dp, ...])")
+        self._steps += 1
         active = self.size
         if heartbeat is not None:
-            heartbeat.wait()
+            heartbeat.wait_or_abort(self.timeout)
             active = heartbeat.result()
         self._step_syncs, root = self._sync, self.size - 1
         if active < self.size:
@@ -251,7 +264,8 @@ class DataParallel(Joinable):
         if syncs is not None:
             control[0] = int(syncs)
             control[1 + self.rank] = 1
-        iallreduce(self.comm, MPI.IN_PLACE, control, MPI.SUM, "step control").wait()
+        iallreduce(self.comm, MPI.IN_PLACE, control, MPI.SUM,
+                   f"step control (step {self._steps})").wait_or_abort(self.timeout)
         active_ranks = np.flatnonzero(control[1:])
         active, syncing = len(active_ranks), int(control[0])
         if syncing not in (0, active):
@@ -265,7 +279,7 @@ class DataParallel(Joinable):
         bucket = self._buckets[k]
         sendbuf = bucket.zeros if shadow else MPI.IN_PLACE
         bucket.work = iallreduce(self.comm, sendbuf, bucket.flat, MPI.SUM,
-                                 f"bucket {k} of {len(self._buckets)}")
+                                 f"bucket {k + 1} of {len(self._buckets)} (step {self._steps})")
         self._next_bucket = k + 1
 
     def _finish_buckets(self, shadow: bool = False) -> None:
@@ -277,13 +291,13 @@ class DataParallel(Joinable):
         for k, bucket in enumerate(self._buckets):
             if self._next_bucket == k:
                 self._start_bucket(k, shadow)
-            bucket.work.wait()
+            bucket.work.wait_or_abort(self.timeout)
             if self._next_bucket == k + 1 and k < last:
                 self._start_bucket(k + 1, shadow)  # posted before this bucket's division
             np.divide(bucket.flat, divisor, out=bucket.flat)
 
     def _wait_started_buckets(self) -> None:
-        _wait_all([bucket.work for bucket in self._buckets[:self._next_bucket]])
+        _wait_all([bucket.work for bucket in self._buckets[:self._next_bucket]], self.timeout)
 
     # -- Joinable -----------------------------------------------------------------------------
 
@@ -315,6 +329,7 @@ class _DataParallelHook(JoinHook):
     def main_hook(self) -> None:
         """Shadow one active step; the averaged gradients land in this rank's ``dp.grads``."""
         dp = self.dp
+        dp._steps += 1
         dp._step_syncs, root, dp._active = dp._exchange_control(None)
         dp._broadcast(dp.buffers, root, "buffer broadcast")
         dp._next_bucket = 0
@@ -329,6 +344,7 @@ class _DataParallelHook(JoinHook):
         dp = self.dp
         flags = np.array([dp.rank if is_last_joiner else -1, int(not is_last_joiner)],
                          dtype=np.int64)
-        iallreduce(dp.comm, MPI.IN_PLACE, flags, MPI.MAX, "last joiner").wait()
+        iallreduce(dp.comm, MPI.IN_PLACE, flags, MPI.MAX, "last joiner").wait_or_abort(
+            dp.timeout)
         stale = dp.params + dp.buffers if flags[1] else dp.buffers
         dp._broadcast(stale, int(flags[0]), "final broadcast")

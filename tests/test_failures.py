@@ -1,0 +1,82 @@
+"""Failures under mpiexec: every rank ends non-zero, fast, and the output says why.
+
+Each case runs tests/programs/failures.py with a hard outer timeout; rank 1 misbehaves in
+iteration 3 of 10.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import run_mpi
+
+PROGRAM = str(Path(__file__).parent / "programs" / "failures.py")
+RANKS = [2, 3, 4]
+
+
+def run_failing(nprocs, mode, timeout=60, **env):
+    start = time.monotonic()
+    result = run_mpi(nprocs, [PROGRAM, mode], timeout=timeout, **env)
+    return result, time.monotonic() - start
+
+
+def results(stdout):
+    """{rank: outcome} from the RESULT lines."""
+    return {int(r): text for r, text in re.findall(r"^RESULT rank=(\d+) (.*)$", stdout, re.M)}
+
+
+@pytest.mark.parametrize("nprocs", RANKS)
+def test_an_exception_on_one_rank_ends_every_rank_within_seconds(nprocs):
+    result, elapsed = run_failing(nprocs, "raise")
+    outcomes = results(result.stdout)
+    assert result.returncode != 0 and elapsed < 10, (elapsed, result.stdout, result.stderr)
+    assert outcomes[1] == "ValueError: boom in iteration 3"
+    for rank in set(range(nprocs)) - {1}:
+        assert outcomes[rank].startswith(
+            f"PeerFailureError: rank {rank}: rank 1 failed with ValueError: boom in iteration 3")
+
+
+@pytest.mark.parametrize("nprocs", RANKS)
+def test_a_rank_killed_with_sigkill_ends_the_job(nprocs):
+    result, elapsed = run_failing(nprocs, "kill", timeout=60, TENSORPLAY_MPI_TIMEOUT="10")
+    assert result.returncode != 0 and elapsed < 30, (elapsed, result.stdout, result.stderr)
+
+
+@pytest.mark.parametrize("nprocs", RANKS)
+def test_a_stalled_rank_times_out_with_a_report_and_an_abort(nprocs):
+    result, elapsed = run_failing(nprocs, "stall", timeout=60, TENSORPLAY_MPI_TIMEOUT="2")
+    assert result.returncode != 0 and elapsed < 20, (elapsed, result.stdout, result.stderr)
+    reports = re.findall(r"CollectiveTimeoutError: rank (\d+): (.*) did not complete after "
+                         r"([\d.]+) s \(timeout 2 s\)", result.stderr)
+    assert reports, result.stderr
+    for rank, what, waited in reports:
+        assert int(rank) != 1 and "iteration 3" in what and float(waited) >= 2.0
+
+
+@pytest.mark.parametrize("nprocs", RANKS)
+def test_an_extra_collective_in_debug_mode_is_a_mismatch_on_every_rank(nprocs):
+    result, elapsed = run_failing(nprocs, "mismatch", TENSORPLAY_MPI_DEBUG="1")
+    outcomes = results(result.stdout)
+    assert result.returncode != 0 and elapsed < 10, (elapsed, result.stdout, result.stderr)
+    assert sorted(outcomes) == list(range(nprocs)), result.stdout
+    for outcome in outcomes.values():
+        assert outcome.startswith("CollectiveMismatchError: ranks are about to issue different")
+    listing = result.stdout.split("RESULT rank=0", 1)[1]
+    assert re.search(r"rank 1: allreduce 3xfloat64 op=SUM", listing)
+    assert re.search(r"rank 0: allreduce 1xint64 op=SUM  \[heartbeat \(iteration 3\)\]", listing)
+
+
+@pytest.mark.parametrize("variable", ["SLURM_STEP_NUM_TASKS", "PMI_SIZE"])
+def test_several_tasks_of_one_rank_each_is_a_launch_error(variable):
+    code = ("import numpy as np\nfrom tensorplay_mpi import DataParallel\n"
+            "DataParallel([np.zeros(2)])\n")
+    env = dict(os.environ, **{variable: "4"})
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode != 0
+    assert f"MPI.COMM_WORLD has 1 rank but {variable}=4" in result.stderr, result.stderr
+    assert "srun --mpi=pmi2" in result.stderr and "srun --mpi=pmix" in result.stderr
