@@ -9,6 +9,7 @@ from helpers import assert_all
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
+from test_join_mpi import run
 from toys import AllReducer, active_counts
 
 from tensorplay_mpi import CollectiveMismatchError, DataParallel, Join, PeerFailureError, guard
@@ -18,14 +19,6 @@ from tensorplay_mpi.comm import iallreduce, outstanding_requests
 def rss_bytes():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def run(joinables, num_inputs, **kwargs):
-    total = 0
-    with Join(joinables, **kwargs):
-        for _ in range(num_inputs):
-            total += sum(joinable() for joinable in joinables)
-    return total
 
 
 @pytest.mark.mpi(min_size=4)
