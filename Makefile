@@ -13,7 +13,7 @@ TEST_TIMEOUT ?= 60
 RUN_TIMEOUT  ?= 900
 PYTEST_MPI   := -m pytest --with-mpi -m mpi -q --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-.PHONY: venv test test-serial test-mpi demo bench clean
+.PHONY: venv test test-serial test-mpi demo bench gpu-check clean
 
 venv: $(VENV)/.installed
 
@@ -57,5 +57,21 @@ bench: venv
 	    --out benchmarks/results/zero-$$n-ranks.json || exit 1; \
 	done
 
+# On a machine with an NVIDIA GPU and CuPy (visible to $(PYTHON)): the gpu tests at 1 and 2
+# ranks, then the GPU benchmark; JSON in benchmarks/results/. Under five minutes.
+GPU_VENV ?= .venv-gpu
+gpu-check:
+	$(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q -e '.[mpich,test]'
+	$(GPU_VENV)/bin/python -c "import cupy; print('CuPy', cupy.__version__, 'GPUs', cupy.cuda.runtime.getDeviceCount())"
+	@mkdir -p benchmarks/results
+	@for n in 1 2; do \
+	  timeout -k 10 120 $(GPU_VENV)/bin/mpiexec -n $$n $(GPU_VENV)/bin/python -m mpi4py \
+	    -m pytest --with-mpi -m gpu -q --timeout=60 --timeout-method=thread tests || exit 1; \
+	  timeout -k 10 60 $(GPU_VENV)/bin/mpiexec -n $$n $(GPU_VENV)/bin/python -m mpi4py \
+	    benchmarks/bench_gpu.py --out benchmarks/results/gpu-$$n-ranks.json || exit 1; \
+	done
+	$(GPU_VENV)/bin/python -m tensorplay_mpi.info
+
 clean:
-	rm -rf $(VENV) build *.egg-info .test-logs
+	rm -rf $(VENV) $(GPU_VENV) build *.egg-info .test-logs

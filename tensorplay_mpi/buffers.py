@@ -1,12 +1,33 @@
-"""Arrays and devices: what kind of array a buffer is and where it lives."""
+"""Arrays and devices: where a buffer lives, stream safety, CUDA-awareness and host staging.
+
+NumPy arrays go to MPI as they are.  A device array (CuPy, or anything exposing
+``__cuda_array_interface__`` or a CUDA DLPack device) is first synchronised with the stream
+that produced it (mpi4py never does it; a missing sync is a silent data race), then:
+
+- when MPI is CUDA-aware, its device pointer goes straight to MPI;
+- otherwise it is staged: copied into a host buffer made once per device buffer (pinned when
+  CuPy is there), MPI runs on host memory, and buffers MPI wrote are copied back to the device
+  when the operation completes (at wait), so nonblocking semantics are kept.
+
+CuPy is never imported here: it is looked up in ``sys.modules``.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
+import sys
+import weakref
+from typing import Any
 
-__all__ = ["check_device"]
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["check_device", "device_of", "is_device_array", "zeros_like", "cuda_aware", "Staging"]
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
 
 def check_device(device: object, name: str = "device") -> str:
@@ -24,3 +45,194 @@ def check_device(device: object, name: str = "device") -> str:
     if not _DEVICE.fullmatch(device):
         raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     return device
+
+
+def device_of(array: Any) -> str:
+    """``"cpu"`` or ``"cuda:N"`` (``"cuda"`` when the index is unknown), without importing CuPy."""
+    dlpack = getattr(array, "__dlpack_device__", None)
+    if dlpack is not None:
+        kind, index = dlpack()
+        return f"cuda:{index}" if kind in _DLPACK_CUDA else "cpu"
+    return "cuda" if hasattr(array, "__cuda_array_interface__") else "cpu"
+
+
+def is_device_array(array: Any) -> bool:
+    """True for arrays in GPU memory (CuPy, ``__cuda_array_interface__``, CUDA DLPack)."""
+    return type(array) is not np.ndarray and device_of(array) != "cpu"
+
+
+def zeros_like(array: Any, size: int | None = None, dtype: Any = None) -> Any:
+    """Zeros on `array`'s device and of its kind (flat of `size` when given)."""
+    cupy = sys.modules.get("cupy")
+    xp = cupy if cupy is not None and isinstance(array, cupy.ndarray) else np
+    shape = array.shape if size is None else (size,)
+    return xp.zeros_like(array, shape=shape, dtype=dtype or array.dtype)
+
+
+# -- stream safety -----------------------------------------------------------------------------
+
+def synchronize(array: Any) -> None:
+    """Wait until the device work that produces `array` is done."""
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(array, cupy.ndarray):
+        cupy.cuda.get_current_stream().synchronize()
+        return
+    stream = getattr(array, "__cuda_array_interface__", {}).get("stream")
+    if stream:
+        _synchronize_stream(stream)
+
+
+def _synchronize_stream(stream: int) -> None:
+    """Synchronise a CUDA stream given by its ``__cuda_array_interface__`` handle."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        raise RuntimeError("a device array names a CUDA stream, but CuPy is not imported to "
+                           "synchronise it; import cupy first")
+    cupy.cuda.ExternalStream(stream).synchronize()
+
+
+# -- CUDA-awareness ----------------------------------------------------------------------------
+
+_decision: tuple[bool, str] | None = None
+
+
+def cuda_aware() -> tuple[bool, str]:
+    """Whether device pointers may go to MPI, and why; decided once per process.
+
+    ``TENSORPLAY_MPI_CUDA_AWARE``: ``1`` forces yes, ``0`` forces no, ``auto`` (default) says yes
+    only when the MPI library itself reports CUDA support (MPI 4.1 ``mpi_memory_alloc_kinds``
+    containing ``cuda``, or MPICH's ``MPIX_GPU_query_support`` / Open MPI's
+    ``MPIX_Query_cuda_support`` returning 1).  Never from environment guesses: a wrong yes
+    segfaults.
+
+    Raises
+    ------
+    ValueError
+        If the variable is set to anything else.
+    """
+    global _decision
+    if _decision is None:
+        _decision = _decide()
+    return _decision
+
+
+def _decide() -> tuple[bool, str]:
+    setting = os.environ.get("TENSORPLAY_MPI_CUDA_AWARE", "auto").strip().lower()
+    if setting == "1":
+        return True, "forced by TENSORPLAY_MPI_CUDA_AWARE=1"
+    if setting == "0":
+        return False, "forced by TENSORPLAY_MPI_CUDA_AWARE=0 (device buffers are staged)"
+    if setting != "auto":
+        raise ValueError(f"TENSORPLAY_MPI_CUDA_AWARE must be auto, 0 or 1, got {setting!r}")
+    kinds = _memory_alloc_kinds()
+    if "cuda" in kinds:
+        return True, f"the MPI library reports mpi_memory_alloc_kinds={kinds}"
+    for symbol, answer in _query_libmpi().items():
+        if answer == 1:
+            return True, f"the MPI library's {symbol} returned 1"
+    return False, ("the MPI library reports no CUDA support (mpi_memory_alloc_kinds="
+                   f"{kinds or 'unset'}; {_query_libmpi() or 'no MPIX query'}): "
+                   "device buffers are staged through host memory")
+
+
+def _memory_alloc_kinds() -> str:
+    try:
+        info = MPI.COMM_WORLD.Get_info()
+        try:
+            return info.Get("mpi_memory_alloc_kinds") or ""
+        finally:
+            info.Free()
+    except MPI.Exception:
+        return ""
+
+
+def _query_libmpi() -> dict[str, int]:
+    """Answers of the MPIX CUDA-support queries that the loaded libmpi has."""
+    answers: dict[str, int] = {}
+    for path in _loaded_libmpi():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        if hasattr(lib, "MPIX_GPU_query_support"):
+            supported = ctypes.c_int(0)
+            if lib.MPIX_GPU_query_support(0, ctypes.byref(supported)) == 0:  # 0: CUDA
+                answers["MPIX_GPU_query_support(CUDA)"] = supported.value
+        if hasattr(lib, "MPIX_Query_cuda_support"):
+            answers["MPIX_Query_cuda_support"] = int(lib.MPIX_Query_cuda_support())
+    return answers
+
+
+def _loaded_libmpi() -> list[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libmpi" in line and "/" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith("libmpi"))
+
+
+# -- staging -------------------------------------------------------------------------------------
+
+_host_buffers: dict[int, np.ndarray] = {}  # id(device buffer) -> its host buffer, made once
+
+
+def _host_buffer(array: Any) -> np.ndarray:
+    host = _host_buffers.get(id(array))
+    if host is None or host.nbytes != array.nbytes:
+        cupyx = sys.modules.get("cupyx")
+        empty = cupyx.empty_pinned if cupyx is not None else np.empty
+        host = _host_buffers[id(array)] = empty(array.shape, dtype=array.dtype)
+        weakref.finalize(array, _host_buffers.pop, id(array), None)
+    return host
+
+
+class Staging:
+    """How one MPI operation sees its buffers: device pointers, or host copies.
+
+    ``read(buf)`` for a buffer MPI reads, ``write(buf)`` for one it writes, ``update(buf)``
+    for one it reads and writes (``IN_PLACE``); each returns what to give MPI.  ``finish()``
+    copies written buffers back to the device; call it when the operation has completed.
+    """
+
+    __slots__ = ("_copy_back", "_synced")
+
+    def __init__(self) -> None:
+        self._copy_back: list[tuple[Any, np.ndarray]] = []
+        self._synced = False
+
+    def read(self, buf: Any) -> Any:
+        if not is_device_array(buf):
+            return buf
+        self._sync(buf)
+        if cuda_aware()[0]:
+            return buf
+        host = _host_buffer(buf)
+        buf.get(out=host)
+        return host
+
+    def write(self, buf: Any) -> Any:
+        if not is_device_array(buf):
+            return buf
+        self._sync(buf)
+        if cuda_aware()[0]:
+            return buf
+        host = _host_buffer(buf)
+        self._copy_back.append((buf, host))
+        return host
+
+    def update(self, buf: Any) -> Any:
+        host = self.read(buf)
+        if host is not buf:
+            self._copy_back.append((buf, host))
+        return host
+
+    def _sync(self, buf: Any) -> None:
+        if not self._synced:
+            synchronize(buf)
+            self._synced = True
+
+    def finish(self) -> None:
+        for device, host in self._copy_back:
+            device.set(host)
+        self._copy_back.clear()

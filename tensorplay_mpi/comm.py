@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from mpi4py import MPI
 
+from .buffers import Staging
 from .errors import CollectiveTimeoutError
 
 __all__ = [
@@ -266,11 +267,18 @@ def check_comm(comm: Any, name: str = "comm") -> MPI.Intracomm:
 
 
 def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Request],
-           args: tuple, keep: tuple, finish: Callable[[], Any] | None,
+           args: tuple, keep: tuple, result: Callable[[], Any] | None, staging: Staging,
            signature: Callable[[], str] | None = None) -> Work:
+    """The one place where every library operation starts."""
     guard = comm.Get_attr(GUARD_KEYVAL)
     if guard is not None:
         guard.before_collective(kind, what, signature)
+
+    def finish() -> Any:
+        staging.finish()
+        return result() if result is not None else None
+
+    # host copies of staged buffers live as long as their device buffer, which `keep` holds
     return Work(start(*args), what, keep, finish, comm, guard)
 
 
@@ -301,10 +309,14 @@ def iallreduce(
 
     Collective over `comm`: every rank must call it.  `sendbuf` may be ``MPI.IN_PLACE``.
     """
+    staging = Staging()
+    if sendbuf is MPI.IN_PLACE:
+        args = (sendbuf, staging.update(recvbuf), op)
+    else:
+        args = (staging.read(sendbuf), staging.write(recvbuf), op)
     result = (lambda: recvbuf) if finish is None else (lambda: finish(recvbuf))
-    return _start(comm, what, "allreduce", comm.Iallreduce, (sendbuf, recvbuf, op),
-                  (sendbuf, recvbuf), result,
-                  lambda: f"allreduce {_describe(recvbuf)} op={_op_name(op)}")
+    return _start(comm, what, "allreduce", comm.Iallreduce, args, (sendbuf, recvbuf), result,
+                  staging, lambda: f"allreduce {_describe(recvbuf)} op={_op_name(op)}")
 
 
 def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Work:
@@ -312,8 +324,10 @@ def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Wor
 
     Collective over `comm`: every rank must call it.
     """
-    return _start(comm, what, "bcast", comm.Ibcast, (buf, root), (buf,), lambda: buf,
-                  lambda: f"bcast {_describe(buf)} root={root}")
+    staging = Staging()
+    mpi_buf = staging.read(buf) if comm.Get_rank() == root else staging.write(buf)
+    return _start(comm, what, "bcast", comm.Ibcast, (mpi_buf, root), (buf,), lambda: buf,
+                  staging, lambda: f"bcast {_describe(buf)} root={root}")
 
 
 def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "allgather") -> Work:
@@ -321,16 +335,21 @@ def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "all
 
     Collective over `comm`: every rank must call it.
     """
-    return _start(comm, what, "allgather", comm.Iallgather, (sendbuf, recvbuf),
-                  (sendbuf, recvbuf), lambda: recvbuf,
-                  lambda: f"allgather {_describe(sendbuf)}")
+    staging = Staging()
+    args = (staging.read(sendbuf), staging.write(recvbuf))
+    return _start(comm, what, "allgather", comm.Iallgather, args, (sendbuf, recvbuf),
+                  lambda: recvbuf, staging, lambda: f"allgather {_describe(sendbuf)}")
 
 
 def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send") -> Work:
     """Start a point-to-point ``MPI_Isend`` of `buf` to `dest`."""
-    return _start(comm, what, "send", comm.Isend, (buf, dest, tag), (buf,), None)
+    staging = Staging()
+    return _start(comm, what, "send", comm.Isend, (staging.read(buf), dest, tag), (buf,), None,
+                  staging)
 
 
 def irecv(comm: MPI.Intracomm, buf: Any, source: int, tag: int, what: str = "recv") -> Work:
     """Start a point-to-point ``MPI_Irecv`` into `buf` from `source`; the result is `buf`."""
-    return _start(comm, what, "recv", comm.Irecv, (buf, source, tag), (buf,), lambda: buf)
+    staging = Staging()
+    return _start(comm, what, "recv", comm.Irecv, (staging.write(buf), source, tag), (buf,),
+                  lambda: buf, staging)

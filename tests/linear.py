@@ -35,10 +35,15 @@ def rank_batches(inputs, rank, batch=8):
 
 
 def train(comm, data, inputs, lr=0.1, divide_by_initial_world_size=True, sync_every=1,
-          overlap=False, bucket_cap_mb=25.0, dtypes=(np.float64, np.float64)):
-    """The distributed run on this rank; returns (params, dp)."""
-    x, y = data
+          overlap=False, bucket_cap_mb=25.0, dtypes=(np.float64, np.float64), device=None):
+    """The distributed run on this rank; returns (params, dp).
+
+    `device` (optional) moves arrays to a device: the params and the data.
+    """
+    x, y = data if device is None else (device(data[0]), device(data[1]))
     params = initial_params(dtypes)
+    if device is not None:
+        params = [device(p) for p in params]
     params[0] += comm.rank  # the constructor broadcast from rank 0 must repair this
     dp = DataParallel(params, comm=comm, bucket_cap_mb=bucket_cap_mb)
     batches = rank_batches(inputs, comm.rank)

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from mpi4py import MPI
 
 from ..algorithms.join import Join, Joinable, JoinHook
+from ..buffers import device_of
 from ..comm import Work, check_comm, default_comm, ibcast, irecv, isend
 from ..guard import Guard
 from .local import Adam, Optimizer
@@ -167,7 +168,7 @@ class ZeroRedundancyOptimizer(Joinable):
 
     @property
     def join_device(self) -> str:
-        return "cpu"
+        return device_of(self.params[0]) if self.params else "cpu"
 
     @property
     def join_process_group(self) -> MPI.Intracomm:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from ..buffers import zeros_like
 from ..comm import Work
 
 __all__ = ["Bucket", "GradientViews", "make_buckets"]
@@ -17,8 +18,8 @@ class Bucket:
 
     __slots__ = ("flat", "members", "unready", "work", "_zeros")
 
-    def __init__(self, dtype: np.dtype, members: list[int], sizes: list[int]) -> None:
-        self.flat = np.zeros(sum(sizes), dtype=dtype)
+    def __init__(self, like: Any, members: list[int], sizes: list[int]) -> None:
+        self.flat = zeros_like(like, sum(sizes))  # on the device and of the kind of `like`
         self.members = members  # parameter indices, in fill (reverse parameter) order
         self.unready = len(members)  # members not yet marked ready in this step
         self.work: Work | None = None  # the allreduce of this step, once started
@@ -28,7 +29,7 @@ class Bucket:
     def zeros(self) -> np.ndarray:
         """A joined rank's contribution: made on first use (by joined ranks only), then reused."""
         if self._zeros is None:
-            self._zeros = np.zeros_like(self.flat)
+            self._zeros = zeros_like(self.flat)
         return self._zeros
 
 
@@ -60,8 +61,8 @@ def make_buckets(params: list[np.ndarray], cap_bytes: float) -> tuple[list[Bucke
         filling[param.dtype] = (current, used + param.nbytes)
 
     buckets, bucket_of, views = [], [0] * len(params), [None] * len(params)
-    for k, (dtype, members) in enumerate(plans):
-        bucket = Bucket(dtype, members, [params[i].size for i in members])
+    for k, (_, members) in enumerate(plans):
+        bucket = Bucket(params[members[0]], members, [params[i].size for i in members])
         offset = 0
         for i in members:
             size = params[i].size
@@ -90,11 +91,13 @@ class GradientViews(Sequence):
 
     def __setitem__(self, index: int, value: Any) -> None:
         view = self._views[index]
-        value = np.asarray(value)
-        if value.shape != view.shape:
+        shape = getattr(value, "shape", None)
+        if shape is None:
+            shape = np.shape(value)
+        if tuple(shape) != view.shape:
             raise ValueError(f"grads[{index}] has shape {view.shape}, got an array of shape "
-                             f"{value.shape}")
-        np.copyto(view, value, casting="same_kind")
+                             f"{tuple(shape)}")
+        view[...] = value
 
     def __repr__(self) -> str:
         return f"GradientViews({[v.shape for v in self._views]})"

@@ -24,6 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.join import Join, Joinable, JoinHook
+from ..buffers import device_of, is_device_array
 from ..comm import (Work, check_comm, default_comm, iallgather, iallreduce, ibcast,
                     resolve_timeout)
 from ..guard import Guard
@@ -32,11 +33,12 @@ from .buckets import GradientViews, make_buckets
 __all__ = ["DataParallel"]
 
 
-def _check_arrays(arrays: Sequence[Any], name: str, floating: bool) -> list[np.ndarray]:
+def _check_arrays(arrays: Sequence[Any], name: str, floating: bool) -> list[Any]:
     arrays = list(arrays)
     for i, array in enumerate(arrays):
-        if not isinstance(array, np.ndarray):
-            raise TypeError(f"{name}[{i}] must be a NumPy array, got {type(array).__name__}")
+        if not (isinstance(array, np.ndarray) or is_device_array(array)):
+            raise TypeError(f"{name}[{i}] must be a NumPy or CuPy array, got "
+                            f"{type(array).__name__}")
         if floating and array.dtype not in (np.float32, np.float64):
             raise TypeError(f"{name}[{i}] must be float32 or float64, got {array.dtype}")
         if array.dtype == object:
@@ -44,6 +46,14 @@ def _check_arrays(arrays: Sequence[Any], name: str, floating: bool) -> list[np.n
         if not array.flags.c_contiguous:
             raise ValueError(f"{name}[{i}] must be C-contiguous (use numpy.ascontiguousarray)")
     return arrays
+
+
+def _one_device(arrays: list[Any]) -> str:
+    devices = {device_of(a) for a in arrays}
+    if len(devices) > 1:
+        where = ", ".join(f"[{i}] on {device_of(a)}" for i, a in enumerate(arrays))
+        raise ValueError(f"params and buffers must be on one device, got {where}")
+    return devices.pop() if devices else "cpu"
 
 
 def _wait_all(works: list[Work], timeout: float) -> None:
@@ -59,9 +69,10 @@ class DataParallel(Joinable):
 
     Parameters
     ----------
-    params : sequence of numpy.ndarray
-        The trained arrays, owned and updated in place by the caller; C-contiguous float32 or
-        float64 (one bucket set per dtype).
+    params : sequence of arrays
+        The trained arrays (NumPy or CuPy, all on one device), owned and updated in place by
+        the caller; C-contiguous float32 or float64 (one bucket set per dtype).  Buckets,
+        zeroing and averaging stay on that device.
     comm : mpi4py.MPI.Intracomm, optional
         Defaults to ``MPI.COMM_WORLD``.
     bucket_cap_mb : float, default 25.0
@@ -109,6 +120,7 @@ class DataParallel(Joinable):
         self.timeout = resolve_timeout(timeout)
         self.params = _check_arrays(params, "params", floating=True)
         self.buffers = _check_arrays(buffers, "buffers", floating=False)
+        self.device = _one_device(self.params + self.buffers)
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         if not 0 <= broadcast_from < self.size:
@@ -294,7 +306,7 @@ class DataParallel(Joinable):
             bucket.work.wait_or_abort(self.timeout)
             if self._next_bucket == k + 1 and k < last:
                 self._start_bucket(k + 1, shadow)  # posted before this bucket's division
-            np.divide(bucket.flat, divisor, out=bucket.flat)
+            bucket.flat /= divisor
 
     def _wait_started_buckets(self) -> None:
         _wait_all([bucket.work for bucket in self._buckets[:self._next_bucket]], self.timeout)
@@ -315,7 +327,7 @@ class DataParallel(Joinable):
 
     @property
     def join_device(self) -> str:
-        return "cpu"
+        return self.device
 
     @property
     def join_process_group(self) -> MPI.Intracomm:

@@ -1,0 +1,75 @@
+"""GPU bucket reduction: DataParallel on 25M float32 CuPy parameters (``make gpu-check``).
+
+    mpiexec -n 2 python -m mpi4py benchmarks/bench_gpu.py --out gpu-2-ranks.json
+
+For host-staged mode (and CUDA-aware mode where MPI reports it): the median time of one
+``dp.step()`` reduction, its GB/s (parameter bytes / time), and its ratio to a plain
+device-to-host plus host-to-device copy of the same bytes through a pinned buffer.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import cupy
+import cupyx
+from mpi4py import MPI
+
+from tensorplay_mpi import DataParallel, Join, buffers
+
+
+def median_time(comm, fn, repeats):
+    times = []
+    for _ in range(repeats):
+        cupy.cuda.get_current_stream().synchronize()
+        comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        cupy.cuda.get_current_stream().synchronize()
+        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--params", type=int, default=25_000_000)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount()).use()
+    grad = cupy.ones(args.params, cupy.float32)
+    pinned = cupyx.empty_pinned(args.params, cupy.float32)
+
+    def copy_round_trip():
+        grad.get(out=pinned)
+        grad.set(pinned)
+
+    copy_s = median_time(comm, copy_round_trip, args.repeats)
+    aware, why = buffers.cuda_aware()
+    modes = {"staged": False} | ({"cuda_aware": True} if aware else {})
+    report = {"ranks": comm.size, "params": args.params, "bytes": grad.nbytes,
+              "cuda_aware_detected": aware, "why": why, "copy_round_trip_ms": copy_s * 1e3,
+              "modes": {}}
+    for mode, use_device_pointers in modes.items():
+        buffers._decision = (use_device_pointers, f"benchmark mode {mode}")
+        params = [cupy.zeros(args.params, cupy.float32)]
+        dp = DataParallel(params, comm=comm)
+
+        def step():
+            with dp.step():
+                dp.grads[0].fill(1.0)
+
+        with Join([dp]):
+            step_s = median_time(comm, step, args.repeats)
+        report["modes"][mode] = {"step_ms": step_s * 1e3, "GB_per_s": grad.nbytes / step_s / 1e9,
+                                 "ratio_to_copy_round_trip": step_s / copy_s}
+    if comm.rank == 0:
+        print(json.dumps(report, indent=2), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

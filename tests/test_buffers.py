@@ -1,0 +1,100 @@
+"""Devices, CUDA-awareness and host staging on one rank, driven by a fake device array."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from fake_device import Counters, FakeDeviceArray, on_device, use_mode
+from mpi4py import MPI
+
+from tensorplay_mpi import DataParallel, buffers
+from tensorplay_mpi.comm import iallreduce, ibcast
+
+
+def test_importing_the_library_does_not_import_cupy():
+    code = "import sys, tensorplay_mpi; print('cupy' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+class OnlyCudaInterface:
+    __cuda_array_interface__ = {"shape": (1,), "typestr": "<f8", "data": (0, False),
+                                "version": 3}
+
+
+def test_devices_are_recognised_without_cupy():
+    assert buffers.device_of(np.zeros(2)) == "cpu"
+    assert buffers.device_of(on_device(np.zeros(2))) == "cuda:0"
+    assert buffers.device_of(OnlyCudaInterface()) == "cuda"
+    assert not buffers.is_device_array(np.zeros(2))
+    assert buffers.is_device_array(on_device(np.zeros(2)))
+
+
+@pytest.mark.parametrize("setting, aware", [("1", True), ("0", False), ("auto", False)])
+def test_cuda_aware_setting(monkeypatch, setting, aware):
+    monkeypatch.setattr(buffers, "_decision", None)
+    monkeypatch.setenv("TENSORPLAY_MPI_CUDA_AWARE", setting)
+    decision, why = buffers.cuda_aware()
+    assert decision is aware and why
+    if setting == "auto":  # the PyPI MPICH wheel is built without CUDA
+        assert "reports no CUDA support" in why
+
+
+def test_a_bad_cuda_aware_setting_is_a_value_error(monkeypatch):
+    monkeypatch.setattr(buffers, "_decision", None)
+    monkeypatch.setenv("TENSORPLAY_MPI_CUDA_AWARE", "maybe")
+    with pytest.raises(ValueError, match="auto, 0 or 1, got 'maybe'"):
+        buffers.cuda_aware()
+
+
+def test_staging_copies_through_one_reused_host_buffer(monkeypatch):
+    use_mode(monkeypatch, aware=False)
+    device = on_device(np.arange(4.0))
+    for _ in range(3):
+        iallreduce(MPI.COMM_SELF, MPI.IN_PLACE, device).wait()
+    assert (Counters.syncs, Counters.d2h, Counters.h2d) == (3, 3, 3)
+    assert type(buffers._host_buffers[id(device)]) is np.ndarray
+    assert len([k for k in buffers._host_buffers if k == id(device)]) == 1
+    np.testing.assert_array_equal(device, np.arange(4.0))
+
+
+def test_staging_copies_back_only_when_the_operation_completes(monkeypatch):
+    use_mode(monkeypatch, aware=False)
+    device = on_device(np.zeros(3))
+    work = ibcast(MPI.COMM_SELF, device, root=0)
+    work.wait()
+    assert Counters.d2h == 1 and Counters.h2d == 0  # the root only sends
+    received = on_device(np.zeros(2))
+    iallreduce(MPI.COMM_SELF, np.ones(2), received).wait()
+    assert Counters.h2d == 1 and received.tolist() == [1.0, 1.0]
+
+
+def test_cuda_aware_mode_hands_device_buffers_to_mpi(monkeypatch):
+    use_mode(monkeypatch, aware=True)
+    device = on_device(np.arange(3.0))
+    iallreduce(MPI.COMM_SELF, MPI.IN_PLACE, device).wait()
+    assert (Counters.syncs, Counters.d2h, Counters.h2d) == (1, 0, 0)
+
+
+def test_data_parallel_keeps_buckets_on_the_device(monkeypatch):
+    use_mode(monkeypatch, aware=False)
+    params = [on_device(np.zeros((2, 2))), on_device(np.zeros(3))]
+    dp = DataParallel(params, comm=MPI.COMM_SELF)
+    assert dp.join_device == "cuda:0"
+    assert all(type(b.flat) is FakeDeviceArray for b in dp._buckets)
+    assert all(type(g) is FakeDeviceArray for g in dp.grads)
+
+
+def test_params_on_two_devices_are_a_value_error():
+    with pytest.raises(ValueError, match=r"one device, got \[0\] on cpu, \[1\] on cuda:0"):
+        DataParallel([np.zeros(2), on_device(np.zeros(2))], comm=MPI.COMM_SELF)
+
+
+def test_info_reports_mpi_and_the_cuda_decision():
+    result = subprocess.run([sys.executable, "-m", "tensorplay_mpi.info"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert MPI.Get_library_version().splitlines()[0].strip() in result.stdout
+    assert "CUDA-aware: no (the MPI library reports no CUDA support" in result.stdout
