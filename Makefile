@@ -56,6 +56,10 @@ bench: venv
 	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_zero.py \
 	    --out benchmarks/results/zero-$$n-ranks.json || exit 1; \
 	done
+	@for n in 2 4; do \
+	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_jc.py \
+	    --out benchmarks/results/jc-$$n-ranks.json || exit 1; \
+	done
 
 # On a machine with an NVIDIA GPU and CuPy (visible to $(PYTHON)): the gpu tests at 1 and 2
 # ranks, then the GPU benchmark; JSON in benchmarks/results/. Under five minutes.

@@ -63,6 +63,8 @@ def is_device_array(array: Any) -> bool:
 
 def zeros_like(array: Any, size: int | None = None, dtype: Any = None) -> Any:
     """Zeros on `array`'s device and of its kind (flat of `size` when given)."""
+    if type(array) is np.ndarray and size is None and dtype is None:
+        return np.zeros(array.shape, array.dtype)
     cupy = sys.modules.get("cupy")
     xp = cupy if cupy is not None and isinstance(array, cupy.ndarray) else np
     shape = array.shape if size is None else (size,)
@@ -231,6 +233,11 @@ class Staging:
         if not self._synced:
             synchronize(buf)
             self._synced = True
+
+    @property
+    def copies_back(self) -> bool:
+        """Whether :meth:`finish` has anything to copy back."""
+        return bool(self._copy_back)
 
     def finish(self) -> None:
         for device, host in self._copy_back:

@@ -29,6 +29,7 @@ __all__ = [
     "iallreduce",
     "ibcast",
     "iallgather",
+    "iallgatherv",
     "isend",
     "irecv",
     "default_comm",
@@ -105,7 +106,7 @@ class Work:
     """
 
     __slots__ = ("_request", "_what", "_keep", "_finish", "_result", "_done", "_comm",
-                 "_guard", "_nbytes")
+                 "_guard")
 
     def __init__(self, request: MPI.Request, what: str, keep: tuple = (),
                  finish: Callable[[], Any] | None = None, comm: MPI.Comm | None = None,
@@ -119,7 +120,6 @@ class Work:
         self._done = False
         self._comm = comm
         self._guard = guard
-        self._nbytes = sum(getattr(b, "nbytes", 0) for b in keep)
         _outstanding += 1
 
     def __repr__(self) -> str:
@@ -192,7 +192,7 @@ class Work:
             return None
         guard = self._guard if poll else None
         start = time.monotonic()
-        spin = _SPIN_S + self._nbytes / _SPIN_BYTES_PER_S
+        spin = _SPIN_S + sum(getattr(b, "nbytes", 0) for b in self._keep) / _SPIN_BYTES_PER_S
         sleep, tests = _MIN_SLEEP_S, 0
         while not self.is_completed():
             tests += 1
@@ -273,10 +273,11 @@ def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Reques
     guard = comm.Get_attr(GUARD_KEYVAL)
     if guard is not None:
         guard.before_collective(kind, what, signature)
-
-    def finish() -> Any:
-        staging.finish()
-        return result() if result is not None else None
+    finish = result
+    if staging.copies_back:
+        def finish() -> Any:
+            staging.finish()
+            return result() if result is not None else None
 
     # host copies of staged buffers live as long as their device buffer, which `keep` holds
     return Work(start(*args), what, keep, finish, comm, guard)
@@ -339,6 +340,18 @@ def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "all
     args = (staging.read(sendbuf), staging.write(recvbuf))
     return _start(comm, what, "allgather", comm.Iallgather, args, (sendbuf, recvbuf),
                   lambda: recvbuf, staging, lambda: f"allgather {_describe(sendbuf)}")
+
+
+def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[int],
+                what: str = "allgatherv") -> Work:
+    """Start ``MPI_Iallgatherv``: rank ``r`` sends ``counts[r]`` elements, gathered in rank order.
+
+    Collective over `comm`: every rank must call it with the same `counts`.
+    """
+    staging = Staging()
+    args = (staging.read(sendbuf), [staging.write(recvbuf), counts])
+    return _start(comm, what, "allgather", comm.Iallgatherv, args, (sendbuf, recvbuf),
+                  lambda: recvbuf, staging, lambda: f"allgatherv {_describe(recvbuf)}")
 
 
 def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send") -> Work:

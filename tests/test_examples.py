@@ -84,3 +84,21 @@ def test_demo_training_is_accurate_exact_and_identical_on_every_rank(nprocs, fla
         assert split == sorted(split) and split[0] < split[-1]
     assert held_out >= 0.95
     assert f"parameters identical on all {nprocs} ranks: yes" in result.stdout
+
+
+@pytest.mark.parametrize("nprocs", RANKS)
+@pytest.mark.parametrize("idle_rank0", [False, True])
+def test_kmeans_equals_the_serial_run_on_all_the_data(nprocs, idle_rank0):
+    from tensorplay_mpi.examples import kmeans
+
+    args = ["--points", "3000", "--seed", "2"] + (["--idle-rank0"] if idle_rank0 else [])
+    result = run_mpi(nprocs, ["-m", "tensorplay_mpi.examples.kmeans", *args])
+    check_clean_exit(result)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    data = kmeans.make_data(3000, 5, 2, 2)
+    per_rank = [kmeans.rank_batches(data, r, nprocs, 64, idle_rank0) for r in range(nprocs)]
+    assert report["batches"] == [len(b) for b in per_rank]
+    if nprocs > 1:
+        assert len(set(report["batches"])) > 1 and (report["batches"][0] == 0) == idle_rank0
+    expected = kmeans.serial_kmeans(per_rank, data[:5].copy())
+    np.testing.assert_allclose(report["centroids"], expected, rtol=1e-12, atol=0)

@@ -85,6 +85,13 @@ class Joinable(ABC):
     def join_process_group(self) -> MPI.Intracomm:
         """The communicator this joinable's collectives run on."""
 
+    def _finish_iteration(self) -> None:
+        """Called by the Join before each heartbeat and before this rank starts shadowing.
+
+        A joinable whose iterations end with a marker to joined ranks (JoinableComm) sends it
+        here; the default does nothing.
+        """
+
 
 def _first_int(buf: np.ndarray) -> int:
     return int(buf[0])
@@ -260,6 +267,8 @@ class Join:
             if exc is not None:
                 self._settle(exc)
             else:
+                if self._enable:
+                    self._finish_iterations()
                 self._wait_heartbeats()
                 if self._enable:
                     try:
@@ -308,6 +317,7 @@ class Join:
         return join._heartbeat()
 
     def _heartbeat(self) -> Work:
+        self._finish_iterations()
         self._heartbeats = [w for w in self._heartbeats if not w.is_completed()]
         self._iterations += 1
         recv = np.empty(1, dtype=np.int64)
@@ -320,6 +330,18 @@ class Join:
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks."
             )
         return work
+
+    def _finish_iterations(self) -> None:
+        for joinable in self._joinables:
+            joinable._finish_iteration()
+
+    def _active_ranks(self) -> int:
+        """Ranks active in the current iteration: the last heartbeat's count (waited for)."""
+        if not self._enable or self._joining or not self._heartbeats:
+            return self._comm.Get_size()
+        heartbeat = self._heartbeats[-1]
+        heartbeat.wait_or_abort(self._timeout)
+        return heartbeat.result()
 
     def _wait_heartbeats(self) -> None:
         # Safe on every path: each rank started the same heartbeats in the same order.

@@ -1,0 +1,154 @@
+"""JoinableComm under mpiexec: exact results as if joined ranks did not exist."""
+
+import functools
+
+import numpy as np
+import pytest
+from fake_device import FakeDeviceArray, on_device, use_mode
+from helpers import assert_all
+from mpi4py import MPI
+from test_data_parallel_mpi import UNEVEN
+from test_join_mpi import inputs_of
+
+from tensorplay_mpi import DataParallel, Join, JoinableComm, Work
+from tensorplay_mpi.joinable_comm import identity
+
+NUMPY_OPS = {"SUM": np.add, "PROD": np.multiply, "MAX": np.maximum, "MIN": np.minimum,
+             "LAND": np.logical_and, "LOR": np.logical_or, "BAND": np.bitwise_and,
+             "BOR": np.bitwise_or}
+CASES = [(dtype, op) for dtype in ("float32", "float64") for op in ("SUM", "PROD", "MAX", "MIN")]
+CASES += [(dtype, op) for dtype in ("int32", "int64")
+          for op in ("SUM", "PROD", "MAX", "MIN", "BAND", "BOR")]
+CASES += [("bool", "LAND"), ("bool", "LOR")]
+
+
+def data(rank, t, dtype, n=3):
+    """Rank `rank`'s values in iteration `t`: small integers, so every float sum is exact."""
+    values = (np.arange(n) * 7 + rank * 5 + t * 3) % 11 - 4
+    return (values % 2 == 0) if dtype == "bool" else values.astype(dtype)
+
+
+def rows_of(rank, t):
+    return np.array([[rank, t, i] for i in range((rank + t) % 3)], np.int64).reshape(-1, 3)
+
+
+def active(inputs, t):
+    return [r for r in range(len(inputs)) if inputs[r] > t]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", UNEVEN + ["even"])
+def test_every_op_and_dtype_equals_a_reduction_over_the_active_ranks(comm, pattern):
+    inputs = inputs_of(pattern, comm.size)
+    jc = JoinableComm(comm)
+    got = []
+    with Join([jc]):
+        for t in range(inputs[comm.rank]):
+            jc.begin_iteration()
+            got.append([jc.allreduce(data(comm.rank, t, d), getattr(MPI, op)) for d, op in CASES])
+    bad = []
+    for t, results in enumerate(got):
+        for (dtype, op), result in zip(CASES, results):
+            expected = functools.reduce(NUMPY_OPS[op],
+                                        [data(r, t, dtype) for r in active(inputs, t)])
+            if result.dtype != np.dtype(dtype) or not np.array_equal(result, expected):
+                bad.append(f"iteration {t} {op} {dtype}: {result} != {expected}")
+    assert_all(not bad, "; ".join(bad[:3]))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", UNEVEN + ["even"])
+def test_gathers_broadcasts_and_a_schedule_that_grows(comm, pattern):
+    inputs = inputs_of(pattern, comm.size)
+    longest = max(inputs)
+    jc = JoinableComm(comm)
+    bad = []
+    with Join([jc]):
+        for t in range(inputs[comm.rank]):
+            jc.begin_iteration()
+            ranks = active(inputs, t)
+            gathered = jc.allgather(rows_of(comm.rank, t))
+            expected = np.concatenate([rows_of(r, t) for r in ranks])
+            if not np.array_equal(gathered, expected):
+                bad.append(f"allgather {t}: {gathered.tolist()} != {expected.tolist()}")
+            top = jc.bcast(data(comm.rank, t, "float64"), root="highest_active")
+            low = jc.bcast(data(comm.rank, t, "int32"), root=ranks[0])
+            if not (np.array_equal(top, data(ranks[-1], t, "float64"))
+                    and np.array_equal(low, data(ranks[0], t, "int32"))):
+                bad.append(f"bcast {t}: {top} {low}")
+            if t >= longest // 2:  # the second half adds a collective
+                peak = jc.allreduce(np.array([comm.rank]), MPI.MAX)
+                if peak[0] != ranks[-1]:
+                    bad.append(f"late allreduce {t}: {peak}")
+    assert_all(not bad, "; ".join(bad[:3]))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_joined_int_root_is_an_error_on_every_rank(comm):
+    inputs = [1] + [3] * (comm.size - 1)  # rank 0 joins after one iteration
+    jc = JoinableComm(comm)
+    error = None
+    try:
+        with Join([jc]):
+            for t in range(inputs[comm.rank]):
+                jc.begin_iteration()
+                jc.bcast(np.zeros(2), root=0)
+    except ValueError as exc:
+        error = str(exc)
+    assert_all(error is not None and "bcast root 0 is not an active rank" in error,
+               f"got {error!r}")
+    with Join([jc]):  # the communicator is still usable
+        for _ in range(1 + comm.rank):
+            jc.begin_iteration()
+            jc.allreduce(np.ones(1))
+
+
+@pytest.mark.mpi
+def test_i_variants_return_works_and_results_keep_the_input_kind(comm, monkeypatch):
+    use_mode(monkeypatch, aware=False)
+    jc = JoinableComm(comm)
+    with Join([jc]):
+        for _ in range(1 + comm.rank):
+            jc.begin_iteration()
+            work = jc.iallreduce(on_device(np.ones(4)))
+            gathered = jc.allgather(on_device(np.ones((1, 2))))
+    assert_all(isinstance(work, Work) and type(work.result()) is FakeDeviceArray, repr(work))
+    assert_all(type(gathered) is FakeDeviceArray, type(gathered).__name__)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", UNEVEN)
+def test_beside_data_parallel(comm, pattern):
+    inputs = inputs_of(pattern, comm.size)
+    dp = DataParallel([np.zeros(2)], comm=comm)
+    jc = JoinableComm(comm)
+    counts = []
+    with Join([dp, jc]):
+        for t in range(inputs[comm.rank]):
+            with dp.step():
+                dp.grads[0] = np.ones(2)
+            jc.begin_iteration()
+            counts.append(int(jc.allreduce(np.array([1]))[0]))
+    expected = [len(active(inputs, t)) for t in range(inputs[comm.rank])]
+    assert_all(counts == expected, f"{counts} != {expected}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_operation_before_begin_iteration_is_a_runtime_error(comm):
+    jc = JoinableComm(comm)
+    error = None
+    try:
+        with Join([jc]):
+            jc.allreduce(np.ones(1))
+    except RuntimeError as exc:
+        error = str(exc)
+    assert_all(error is not None and "begin_iteration" in error, f"got {error!r}")
+
+
+def test_identities():
+    assert identity(MPI.SUM, np.float32) == 0 and identity(MPI.PROD, np.int64) == 1
+    assert identity(MPI.MAX, np.float64) == -np.inf and identity(MPI.MIN, np.int32) == 2**31 - 1
+    assert identity(MPI.MAX, np.int8) == -128 and identity(MPI.BAND, np.uint8) == 255
+    assert identity(MPI.LAND, np.bool_) and not identity(MPI.LOR, np.bool_)
+    with pytest.raises(ValueError, match="supports the ops"):
+        identity(MPI.MAXLOC, np.float64)
