@@ -13,7 +13,7 @@ TEST_TIMEOUT ?= 60
 RUN_TIMEOUT  ?= 900
 PYTEST_MPI   := -m pytest --with-mpi -m mpi -q --color=no --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-.PHONY: venv test test-serial test-mpi test-openmpi docs demo bench gpu-check clean
+.PHONY: venv test test-serial test-mpi test-openmpi docs slurm-test demo bench gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -51,6 +51,11 @@ docs: venv
 	$(PY) -m pip install -q -e '.[$(EXTRAS),docs]'
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 	@echo "docs built in docs/_build/html"
+
+# A real one-node Slurm (Debian's slurm-wlm and munge, installed when missing; needs root):
+# submits slurm/train.sbatch and slurm/pytest.sbatch and checks them.
+slurm-test: venv
+	bash tests/slurm/slurm-test.sh $(VENV)
 
 demo: venv
 	$(MPIEXEC) -n 4 $(PY) -m mpi4py -m tensorplay_mpi.examples.train

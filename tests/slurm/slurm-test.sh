@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# A real one-node Slurm on this machine: start munged, slurmctld and slurmd, submit the
+# templates train.sbatch and pytest.sbatch with small sizes through `sbatch --wait`, check their
+# exit codes and output, stop what was started. Fails loudly when a step cannot run.
+# Usage: tests/slurm/slurm-test.sh VENV   (run from the repository root, as root)
+set -euo pipefail
+venv=$(realpath "${1:?usage: slurm-test.sh VENV}")
+fail() { echo "slurm-test: $*" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || fail "needs root, to start munged, slurmctld and slurmd"
+if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
+  echo "slurm-test: installing Debian's slurm-wlm and munge"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge; } \
+    >/dev/null || fail "cannot install slurm-wlm and munge with apt-get"
+fi
+
+work=$(mktemp -d /tmp/slurm-test.XXXXXX)
+chmod 755 "$work"
+export SLURM_CONF=$work/slurm.conf
+started=()
+stop() {
+  for pid_file in "${started[@]}"; do
+    [ -f "$pid_file" ] && kill "$(cat "$pid_file")" 2>/dev/null || true
+  done
+  sleep 1
+}
+trap stop EXIT
+
+# munge: a fresh key, its own socket, pid and log in $work
+mkdir -p "$work/munge"
+dd if=/dev/urandom bs=1 count=1024 of="$work/munge/munge.key" 2>/dev/null
+chown -R munge:munge "$work/munge" 2>/dev/null || true
+chmod 755 "$work/munge"; chmod 400 "$work/munge/munge.key"
+socket=$work/munge/munge.socket
+runuser -u munge -- munged --key-file="$work/munge/munge.key" --socket="$socket" \
+  --pid-file="$work/munge/munged.pid" --log-file="$work/munge/munged.log" --seed-file="$work/munge/seed" \
+  || fail "munged did not start: $(cat "$work/munge/munged.log" 2>/dev/null)"
+started+=("$work/munge/munged.pid")
+
+host=$(hostname -s)
+node=$(slurmd -C | head -n 1)
+mkdir -p "$work/state" "$work/spool"
+cat > "$SLURM_CONF" <<CONF
+ClusterName=tensorplay
+SlurmctldHost=$host
+SlurmUser=root
+AuthType=auth/munge
+AuthInfo=socket=$socket
+CredType=cred/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+StateSaveLocation=$work/state
+SlurmdSpoolDir=$work/spool
+SlurmctldPidFile=$work/slurmctld.pid
+SlurmdPidFile=$work/slurmd.pid
+SlurmctldLogFile=$work/slurmctld.log
+SlurmdLogFile=$work/slurmd.log
+$node
+PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
+CONF
+slurmctld -f "$SLURM_CONF" || fail "slurmctld did not start: $(tail -5 "$work/slurmctld.log")"
+started+=("$work/slurmctld.pid")
+slurmd -f "$SLURM_CONF" || fail "slurmd did not start: $(tail -5 "$work/slurmd.log")"
+started+=("$work/slurmd.pid")
+for _ in $(seq 30); do
+  sinfo -h -o %T 2>/dev/null | grep -q idle && break
+  sleep 1
+done
+sinfo -h -o %T | grep -q idle || fail "the node never became idle: $(sinfo 2>&1; tail -5 "$work/slurmd.log")"
+
+submit() {  # submit TEMPLATE OUTPUT [sbatch options]: sbatch --wait, then show the output
+  local template=$1 out=$2; shift 2
+  local rc=0
+  timeout 300 sbatch --wait --output="$out" "$@" "$template" >/dev/null || rc=$?
+  echo "--- $template (exit $rc)"; cat "$out"
+  return $rc
+}
+
+export VENV=$venv EPOCHS=30 TESTS=tests/test_join_mpi.py
+submit slurm/train.sbatch "$work/train.out" --ntasks-per-node=2 \
+  || fail "train.sbatch failed"
+grep -q "parameters identical on all 2 ranks: yes" "$work/train.out" \
+  || fail "train.sbatch did not confirm identical parameters on 2 ranks"
+submit slurm/pytest.sbatch "$work/pytest.out" --ntasks=2 || fail "pytest.sbatch failed"
+grep -Eq "^[0-9]+ passed" "$work/pytest.out" || fail "pytest.sbatch ran no test"
+! grep -q "failed" "$work/pytest.out" || fail "pytest.sbatch had failures"
+# the wrong plugin starts every task as a singleton: the library must say so
+wrong=$(timeout 120 srun --mpi=none --ntasks=2 "$venv/bin/python" -m mpi4py -c \
+  "import numpy; from tensorplay_mpi import DataParallel; DataParallel([numpy.zeros(2)])" 2>&1) \
+  && fail "srun --mpi=none did not fail: $wrong"
+grep -q "SLURM_STEP_NUM_TASKS=2" <<<"$wrong" && grep -q "srun --mpi=pmi2" <<<"$wrong" \
+  || fail "srun --mpi=none did not give the launch error: $wrong"
+echo "slurm-test: train.sbatch and pytest.sbatch passed on a real Slurm ($(sinfo -V)); the wrong"
+echo "slurm-test: --mpi plugin gave the launch error"
