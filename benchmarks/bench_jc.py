@@ -2,9 +2,9 @@
 
     mpiexec -n 2 python -m mpi4py benchmarks/bench_jc.py --out jc-2-ranks.json
 
-The schedule of one iteration: an allreduce (SUM) of 8 (then 100,000) float64, an allreduce (MAX) of one
-int64, a broadcast of 4 float64 from the highest rank.  Raw: ``Iallreduce``/``Ibcast`` and
-``Wait`` on a plain communicator.  JoinableComm: ``begin_iteration()`` and the same three inside
+The schedule of one iteration: an allreduce (SUM) of 8 (then 100,000) float64, an allreduce (MAX)
+of one int64, a broadcast of 4 float64 from the highest rank.  Raw: ``Iallreduce``/``Ibcast`` and
+``Wait`` on the same communicator.  JoinableComm: ``begin_iteration()`` and the same three inside
 a Join (one heartbeat more).  Ratios of medians over interleaved repeats, all ranks active
 (target <= 1.15) and with rank 0 joined from the start (reported; joined ranks are shadowed
 through announcements).

@@ -11,6 +11,8 @@ from .parallel import DataParallel
 __version__ = "0.1.0"
 
 __all__ = [
-    "CollectiveMismatchError", "CollectiveTimeoutError", "PeerFailureError", "SGD", "Adam", "AdamW", "DataParallel", "Join", "Joinable", "JoinHook", "JoinableComm", "Work",
-    "ZeroRedundancyOptimizer", "comm", "data", "optim", "__version__",
+    "Join", "Joinable", "JoinHook", "Work", "DataParallel", "JoinableComm",
+    "SGD", "Adam", "AdamW", "ZeroRedundancyOptimizer",
+    "CollectiveMismatchError", "CollectiveTimeoutError", "PeerFailureError",
+    "comm", "data", "optim", "__version__",
 ]

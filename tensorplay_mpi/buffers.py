@@ -41,7 +41,8 @@ def check_device(device: object, name: str = "device") -> str:
         If the string names no device.
     """
     if not isinstance(device, str):
-        raise TypeError(f"{name} must be a str such as 'cpu' or 'cuda:0', got {type(device).__name__}")
+        raise TypeError(f"{name} must be a str such as 'cpu' or 'cuda:0', "
+                        f"got {type(device).__name__}")
     if not _DEVICE.fullmatch(device):
         raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     return device
@@ -182,8 +183,11 @@ _host_buffers: dict[int, np.ndarray] = {}  # id(device buffer) -> its host buffe
 def _host_buffer(array: Any) -> np.ndarray:
     host = _host_buffers.get(id(array))
     if host is None or host.nbytes != array.nbytes:
-        cupyx = sys.modules.get("cupyx")
-        empty = cupyx.empty_pinned if cupyx is not None else np.empty
+        empty = np.empty
+        if "cupy" in sys.modules:  # pinned memory: faster copies, and asynchronous ones
+            import cupyx
+
+            empty = cupyx.empty_pinned
         host = _host_buffers[id(array)] = empty(array.shape, dtype=array.dtype)
         weakref.finalize(array, _host_buffers.pop, id(array), None)
     return host
@@ -204,35 +208,28 @@ class Staging:
         self._synced = False
 
     def read(self, buf: Any) -> Any:
-        if not is_device_array(buf):
-            return buf
-        self._sync(buf)
-        if cuda_aware()[0]:
-            return buf
-        host = _host_buffer(buf)
-        buf.get(out=host)
-        return host
+        return self._stage(buf, copy_in=True, copy_back=False)
 
     def write(self, buf: Any) -> Any:
+        return self._stage(buf, copy_in=False, copy_back=True)
+
+    def update(self, buf: Any) -> Any:
+        return self._stage(buf, copy_in=True, copy_back=True)
+
+    def _stage(self, buf: Any, copy_in: bool, copy_back: bool) -> Any:
         if not is_device_array(buf):
             return buf
-        self._sync(buf)
+        if not self._synced:  # one stream synchronisation per operation
+            synchronize(buf)
+            self._synced = True
         if cuda_aware()[0]:
             return buf
         host = _host_buffer(buf)
-        self._copy_back.append((buf, host))
-        return host
-
-    def update(self, buf: Any) -> Any:
-        host = self.read(buf)
-        if host is not buf:
+        if copy_in:
+            buf.get(out=host)
+        if copy_back:
             self._copy_back.append((buf, host))
         return host
-
-    def _sync(self, buf: Any) -> None:
-        if not self._synced:
-            synchronize(buf)
-            self._synced = True
 
     @property
     def copies_back(self) -> bool:

@@ -78,7 +78,9 @@ def replay(data, inputs, lr=0.1, divide_by_initial_world_size=True, sync_every=1
         active = [r for r in range(size) if inputs[r] > t]
         for r in active:
             g = gradient(params, x[batches[r][t]], y[batches[r][t]])
-            accumulated[r] = g if t % sync_every == 0 else [a + b for a, b in zip(accumulated[r], g)]
+            if t % sync_every:
+                g = [a + b for a, b in zip(accumulated[r], g)]
+            accumulated[r] = g
         if (t + 1) % sync_every:
             continue
         divisor = size if divide_by_initial_world_size else len(active)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from helpers import assert_all
 from linear import make_problem, replay, train
-from test_join_mpi import PATTERNS, inputs_of
+from test_join_mpi import inputs_of
 
 from tensorplay_mpi import DataParallel, Join
 

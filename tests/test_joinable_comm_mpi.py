@@ -90,7 +90,7 @@ def test_a_joined_int_root_is_an_error_on_every_rank(comm):
     error = None
     try:
         with Join([jc]):
-            for t in range(inputs[comm.rank]):
+            for _ in range(inputs[comm.rank]):
                 jc.begin_iteration()
                 jc.bcast(np.zeros(2), root=0)
     except ValueError as exc:
@@ -124,7 +124,7 @@ def test_beside_data_parallel(comm, pattern):
     jc = JoinableComm(comm)
     counts = []
     with Join([dp, jc]):
-        for t in range(inputs[comm.rank]):
+        for _ in range(inputs[comm.rank]):
             with dp.step():
                 dp.grads[0] = np.ones(2)
             jc.begin_iteration()

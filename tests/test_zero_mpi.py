@@ -118,7 +118,8 @@ def test_checkpoint_restores_on_a_different_world_size(comm, optimizer):
     for t in range(6):
         set_grads(t)
         reference.step()
-    assert_all(all_close(params, expected), f"restored at size {sub_size}: params left the reference")
+    assert_all(all_close(params, expected),
+               f"restored at size {sub_size}: params left the reference")
 
 
 @pytest.mark.mpi

@@ -216,7 +216,7 @@ class Join:
         first = self._joinables[0]
         self._comm: MPI.Intracomm = first.join_process_group
         self._rank = self._comm.Get_rank()
-        self._device = check_device(first.join_device, "join_device")
+        check_device(first.join_device, "join_device")
         self._enable = bool(enable)
         self._throw_on_early_termination = bool(throw_on_early_termination)
         self._timeout = resolve_timeout(timeout)
@@ -249,7 +249,8 @@ class Join:
 
     def __enter__(self) -> "Join":
         if self._entered:
-            raise RuntimeError("this Join was already entered; a Join is single-use, make a new one")
+            raise RuntimeError("this Join was already entered; a Join is single-use, "
+                               "make a new one")
         for joinable in self._joinables:
             if _config_of(joinable) is not None:
                 raise RuntimeError(
@@ -266,16 +267,14 @@ class Join:
         try:
             if exc is not None:
                 self._settle(exc)
-            else:
-                if self._enable:
+            elif self._enable:  # a disabled Join started nothing
+                try:
                     self._finish_iterations()
-                self._wait_heartbeats()
-                if self._enable:
-                    try:
-                        self._join_loop()
-                    except BaseException as error:
-                        self._settle(error)
-                        raise
+                    self._wait_heartbeats()
+                    self._join_loop()
+                except BaseException as error:
+                    self._settle(error)
+                    raise
         finally:
             for joinable in self._joinables:
                 joinable._join_config = None
