@@ -32,12 +32,13 @@ def raw(comm, iterations, elements):
 
 def joinable(jc, iterations, elements):
     s, m, b = np.ones(elements), np.ones(1, np.int64), np.ones(4)
+    out_s, out_m, out_b = np.empty_like(s), np.empty_like(m), np.empty_like(b)
     with Join([jc]):
         for _ in range(iterations):
             jc.begin_iteration()
-            jc.allreduce(s)
-            jc.allreduce(m, MPI.MAX)
-            jc.bcast(b, root="highest_active")
+            jc.allreduce(s, out=out_s)  # as raw mpi4py, into buffers made once
+            jc.allreduce(m, MPI.MAX, out=out_m)
+            jc.bcast(b, root="highest_active", out=out_b)
 
 
 def per_iteration(comm, fn, iterations, repeats):

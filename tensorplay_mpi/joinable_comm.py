@@ -183,24 +183,26 @@ class JoinableComm(Joinable):
 
     # -- operations ------------------------------------------------------------------------
 
-    def iallreduce(self, x: Any, op: MPI.Op = MPI.SUM) -> Work:
-        """Start an allreduce of `x` over the active ranks; the Work's result is a new array.
+    def iallreduce(self, x: Any, op: MPI.Op = MPI.SUM, out: Any = None) -> Work:
+        """Start an allreduce of `x` over the active ranks; the Work's result is `out`.
 
         Joined ranks contribute the identity of `op` (0 for SUM, 1 for PROD, the lowest value
-        for MAX, ...).  A Work of an iteration that its caller drops is completed by the
+        for MAX, ...).  `out` (shaped and typed like `x`) receives the result; by default a new
+        array (passing one saves an allocation per call, which costs more than the allreduce
+        for large arrays).  A Work of an iteration that its caller drops is completed by the
         library when the iteration ends (inside a Join).
         """
         self._check_begun()
         x = self._array(x)
+        out = _output(x, out)
         if self._announcing:
             self._announce(_ALLREDUCE, _OPS.index(_op_name(op)) + 1, _dtype_code(x.dtype),
                            x.shape)
-        return self._own(iallreduce(self.comm, x, zeros_like(x), op,
-                                    f"allreduce ({self._where()})"))
+        return self._own(iallreduce(self.comm, x, out, op, f"allreduce ({self._where()})"))
 
-    def allreduce(self, x: Any, op: MPI.Op = MPI.SUM) -> Any:
+    def allreduce(self, x: Any, op: MPI.Op = MPI.SUM, out: Any = None) -> Any:
         """Allreduce of `x` over the active ranks (see :meth:`iallreduce`)."""
-        return self._wait(self.iallreduce(x, op))
+        return self._wait(self.iallreduce(x, op, out))
 
     def iallgather(self, rows: Any) -> Work:
         """Start a gather of every active rank's rows, in rank order; the result is an array.
@@ -230,14 +232,16 @@ class JoinableComm(Joinable):
         return iallgatherv(self.comm, rows, out, (counts * row_size).tolist(),
                            f"allgather ({self._where()})")
 
-    def ibcast(self, x: Any, root: int | str = "highest_active") -> Work:
-        """Start a broadcast from `root`; the Work's result is a new array (the root's data).
+    def ibcast(self, x: Any, root: int | str = "highest_active", out: Any = None) -> Work:
+        """Start a broadcast from `root`; the Work's result is `out` (the root's data).
 
         `root` is an active rank, or ``"highest_active"``.  An int root that has joined (or is
-        no rank) raises ``ValueError`` on every rank, joined ones included.
+        no rank) raises ``ValueError`` on every rank, joined ones included.  `out` (shaped and
+        typed like `x`) receives the data; by default a new array.
         """
         self._check_begun()
         x = self._array(x)
+        out = _output(x, out)
         highest = root == "highest_active"
         if not highest and not isinstance(root, (int, np.integer)):
             raise TypeError(f"root must be an int or 'highest_active', got {root!r}")
@@ -250,12 +254,13 @@ class JoinableComm(Joinable):
             target = self.size - 1
         else:
             _check_root(target, 0 <= target < self.size)
-        out = x.copy() if self.rank == target else zeros_like(x)
+        if self.rank == target:
+            out[...] = x
         return self._own(ibcast(self.comm, out, target, f"bcast from {target} ({self._where()})"))
 
-    def bcast(self, x: Any, root: int | str = "highest_active") -> Any:
+    def bcast(self, x: Any, root: int | str = "highest_active", out: Any = None) -> Any:
         """The root's `x` on every active rank (see :meth:`ibcast`)."""
-        return self._wait(self.ibcast(x, root))
+        return self._wait(self.ibcast(x, root, out))
 
     def _array(self, x: Any) -> Any:
         if type(x) is np.ndarray:
@@ -282,6 +287,15 @@ class JoinableComm(Joinable):
         return self.comm
 
 
+def _output(x: Any, out: Any) -> Any:
+    if out is None:
+        return zeros_like(x)
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out must be shaped and typed like the input: {x.shape} {x.dtype}, "
+                         f"got {out.shape} {out.dtype}")
+    return out
+
+
 def _check_root(root: int, active: bool) -> None:
     if not active:
         raise ValueError(f"bcast root {root} is not an active rank (it has joined, or is no "
@@ -289,8 +303,23 @@ def _check_root(root: int, active: bool) -> None:
 
 
 class _FollowAnnouncements(JoinHook):
+    _CACHED = 8  # shadow buffers kept, for the most recent operations' shapes
+
     def __init__(self, jc: JoinableComm) -> None:
         self.jc = jc
+        self._buffers: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _shadow_buffers(self, op: int, shape: tuple, dtype: np.dtype) -> tuple:
+        """A joined rank's contribution and receive buffer, made once per op, shape and dtype."""
+        key = (op, shape, dtype)
+        buffers = self._buffers.pop(key, None)
+        if buffers is None:
+            fill = identity(getattr(MPI, _OPS[op - 1]), dtype) if op else 0
+            buffers = np.full(shape, fill, dtype), np.empty(shape, dtype)
+        self._buffers[key] = buffers  # most recent last
+        if len(self._buffers) > self._CACHED:
+            del self._buffers[next(iter(self._buffers))]
+        return buffers
 
     def main_hook(self) -> None:
         """Shadow one active iteration: follow the announcements until END."""
@@ -305,14 +334,13 @@ class _FollowAnnouncements(JoinHook):
             shape = tuple(int(n) for n in jc._announcement[_SHAPE_AT:_SHAPE_AT + ndim])
             dtype = _DTYPES[code - 1]
             if kind == _ALLREDUCE:
-                mpi_op = getattr(MPI, _OPS[op - 1])
-                contribution = np.full(shape, identity(mpi_op, dtype), dtype)
-                jc._wait(iallreduce(jc.comm, contribution, np.empty_like(contribution), mpi_op,
+                contribution, received = self._shadow_buffers(op, shape, dtype)
+                jc._wait(iallreduce(jc.comm, contribution, received, getattr(MPI, _OPS[op - 1]),
                                     f"allreduce ({jc._where()}, joined)"))
             elif kind == _ALLGATHER:
                 jc._wait(jc._gather_rows(np.empty((0,) + shape[1:], dtype), 0))
             else:
                 target = int(highest) if root == -1 else int(root)
                 _check_root(target, bool(root_active) or root == -1)
-                jc._wait(ibcast(jc.comm, np.empty(shape, dtype), target,
+                jc._wait(ibcast(jc.comm, self._shadow_buffers(0, shape, dtype)[1], target,
                                 f"bcast from {target} ({jc._where()}, joined)"))

@@ -152,3 +152,26 @@ def test_identities():
     assert identity(MPI.LAND, np.bool_) and not identity(MPI.LOR, np.bool_)
     with pytest.raises(ValueError, match="supports the ops"):
         identity(MPI.MAXLOC, np.float64)
+
+
+@pytest.mark.mpi
+def test_results_can_go_into_given_buffers(comm):
+    jc = JoinableComm(comm)
+    total, top = np.empty(3), np.empty(2, np.int64)
+    with Join([jc]):
+        for _ in range(1 + comm.rank):
+            jc.begin_iteration()
+            got = jc.allreduce(np.ones(3), out=total)
+            peak = jc.bcast(np.full(2, comm.rank), out=top)
+    assert_all(got is total and peak is top, "results did not land in the given buffers")
+    # this rank's last iteration, t = rank, had ranks rank..size-1 active
+    assert_all(total.tolist() == [float(comm.size - comm.rank)] * 3, f"{total}")
+    assert_all(top.tolist() == [comm.size - 1] * 2, f"{top}")
+    error = None
+    try:
+        with Join([jc]):
+            jc.begin_iteration()
+            jc.allreduce(np.ones(3), out=np.empty(2))
+    except ValueError as exc:
+        error = str(exc)
+    assert_all(error is not None and "shaped and typed like the input" in error, f"{error!r}")
