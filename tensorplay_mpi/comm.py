@@ -42,12 +42,12 @@ __all__ = [
 _outstanding = 0  # started and not yet completed Works, process-wide (tests check it is 0)
 
 # A wait spins on MPI_Test while data may be moving (a nonblocking collective progresses only
-# inside MPI calls): 1 ms plus the time to move its bytes at 1 GB/s.  Then it sleeps between
+# inside MPI calls): 1 ms plus 4 ms per MB of its buffers.  Then it sleeps between
 # tests, 10 us doubling up to 250 us, so that a rank waiting for slower peers leaves the core to
 # them on an oversubscribed node, at a cost of at most 250 us of latency.  While spinning it
 # yields the core after every test, which costs nothing when no other process wants it.
 _SPIN_S = 1e-3
-_SPIN_BYTES_PER_S = 1e9
+_SPIN_BYTES_PER_S = 2.5e8
 _MIN_SLEEP_S = 1e-5
 _MAX_SLEEP_S = 2.5e-4
 _POLL_EVERY = 64  # tests between two looks for failure notices while spinning
