@@ -53,6 +53,11 @@ def slowest(comm: MPI.Intracomm, fn, setup=None) -> float:
     return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
 
+def median_time(comm: MPI.Intracomm, fn, repeats: int, setup=None) -> float:
+    """Median over `repeats` of :func:`slowest`."""
+    return statistics.median(slowest(comm, fn, setup) for _ in range(repeats))
+
+
 def side_by_side(comm, a, b, repeats: int, setup=None) -> dict:
     """Median times of `a` and `b`, interleaved, and their ratio."""
     times_a, times_b = [], []
@@ -79,8 +84,7 @@ def bench_size(comm: MPI.Intracomm, total: int, steps: int, repeats: int) -> dic
             pass
 
     # the compute of a step lasts about as long as its communication
-    comm_s = statistics.median(slowest(comm, lambda: comm.Allreduce(MPI.IN_PLACE, flat))
-                               for _ in range(repeats))
+    comm_s = median_time(comm, lambda: comm.Allreduce(MPI.IN_PLACE, flat), repeats)
 
     def train(model: DataParallel, join: bool, overlap: bool) -> None:
         with Join([model]) if join else contextlib.nullcontext():

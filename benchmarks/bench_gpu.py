@@ -9,26 +9,21 @@ device-to-host plus host-to-device copy of the same bytes through a pinned buffe
 
 import argparse
 import json
-import statistics
-import time
 
 import cupy
 import cupyx
+from bench_dp import median_time
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join, buffers
 
 
-def median_time(comm, fn, repeats):
-    times = []
-    for _ in range(repeats):
-        cupy.cuda.get_current_stream().synchronize()
-        comm.Barrier()
-        start = time.perf_counter()
+def synchronised(fn):
+    """`fn` followed by a device synchronisation, so that its time includes the GPU's work."""
+    def run():
         fn()
         cupy.cuda.get_current_stream().synchronize()
-        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return statistics.median(times)
+    return run
 
 
 def main():
@@ -46,7 +41,7 @@ def main():
         grad.get(out=pinned)
         grad.set(pinned)
 
-    copy_s = median_time(comm, copy_round_trip, args.repeats)
+    copy_s = median_time(comm, synchronised(copy_round_trip), args.repeats)
     aware, why = buffers.cuda_aware()
     modes = {"staged": False} | ({"cuda_aware": True} if aware else {})
     report = {"ranks": comm.size, "params": args.params, "bytes": grad.nbytes,
@@ -62,7 +57,7 @@ def main():
                 dp.grads[0].fill(1.0)
 
         with Join([dp]):
-            step_s = median_time(comm, step, args.repeats)
+            step_s = median_time(comm, synchronised(step), args.repeats)
         report["modes"][mode] = {"step_ms": step_s * 1e3, "GB_per_s": grad.nbytes / step_s / 1e9,
                                  "ratio_to_copy_round_trip": step_s / copy_s}
     if comm.rank == 0:

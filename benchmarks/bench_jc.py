@@ -12,10 +12,9 @@ through announcements).
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
+from bench_dp import median_time
 from mpi4py import MPI
 
 from tensorplay_mpi import Join, JoinableComm
@@ -41,16 +40,6 @@ def joinable(jc, iterations, elements):
             jc.bcast(b, root="highest_active", out=out_b)
 
 
-def per_iteration(comm, fn, iterations, repeats):
-    times = []
-    for _ in range(repeats):
-        comm.Barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX) / iterations)
-    return statistics.median(times)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=1000)
@@ -64,10 +53,10 @@ def main():
     n = args.iterations
     report = {"ranks": comm.size, "target_all_active": 1.15, "schedules": {}}
     for elements in (8, 100_000):
-        raw_s = per_iteration(comm, lambda: raw(plain, n, elements), n, args.repeats)
-        active_s = per_iteration(comm, lambda: joinable(jc, n, elements), n, args.repeats)
-        joined_s = per_iteration(comm, lambda: joinable(jc, n if comm.rank else 0, elements),
-                                 n, args.repeats)
+        raw_s = median_time(comm, lambda: raw(plain, n, elements), args.repeats) / n
+        active_s = median_time(comm, lambda: joinable(jc, n, elements), args.repeats) / n
+        joined_s = median_time(comm, lambda: joinable(jc, n if comm.rank else 0, elements),
+                               args.repeats) / n
         report["schedules"][f"sum of {elements} float64"] = {
             "raw_us": raw_s * 1e6, "all_active_us": active_s * 1e6,
             "one_joined_us": joined_s * 1e6, "all_active_ratio": active_s / raw_s,

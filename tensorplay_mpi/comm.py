@@ -37,6 +37,8 @@ __all__ = [
     "resolve_timeout",
     "check_comm",
     "outstanding_requests",
+    "OPS",
+    "op_name",
 ]
 
 _outstanding = 0  # started and not yet completed Works, process-wide (tests check it is 0)
@@ -283,11 +285,13 @@ def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Reques
     return Work(start(*args), what, keep, finish, comm, guard)
 
 
-_OPS = ("SUM", "PROD", "MAX", "MIN", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
+OPS = ("SUM", "PROD", "MAX", "MIN", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
+"""The predefined reductions by name (what signatures and announcements can describe)."""
 
 
-def _op_name(op: MPI.Op) -> str:
-    return next((name for name in _OPS if op == getattr(MPI, name)), "user-defined")
+def op_name(op: MPI.Op) -> str | None:
+    """The name of a predefined reduction from :data:`OPS`, else ``None``."""
+    return next((name for name in OPS if op == getattr(MPI, name)), None)
 
 
 def _describe(buf: Any) -> str:
@@ -317,7 +321,8 @@ def iallreduce(
         args = (staging.read(sendbuf), staging.write(recvbuf), op)
     result = (lambda: recvbuf) if finish is None else (lambda: finish(recvbuf))
     return _start(comm, what, "allreduce", comm.Iallreduce, args, (sendbuf, recvbuf), result,
-                  staging, lambda: f"allreduce {_describe(recvbuf)} op={_op_name(op)}")
+                  staging,
+                  lambda: f"allreduce {_describe(recvbuf)} op={op_name(op) or 'user-defined'}")
 
 
 def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Work:

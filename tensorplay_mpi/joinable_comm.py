@@ -22,16 +22,14 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .algorithms.join import Join, Joinable, JoinHook
+from .algorithms.comm_joinable import CommJoinable
+from .algorithms.join import Join, JoinHook
 from .buffers import device_of, zeros_like
-from .comm import (Work, check_comm, default_comm, iallgather, iallgatherv, iallreduce, ibcast,
-                   resolve_timeout)
-from .guard import Guard
+from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_name
 
 __all__ = ["JoinableComm"]
 
 _END, _ALLREDUCE, _ALLGATHER, _BCAST = 1, 2, 3, 4
-_OPS = ("SUM", "PROD", "MAX", "MIN", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
 _DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
     np.float16, np.float32, np.float64, np.complex64, np.complex128))
@@ -66,10 +64,10 @@ def identity(op: MPI.Op, dtype: Any) -> Any:
 
 
 def _op_name(op: MPI.Op) -> str:
-    for name in _OPS:
-        if op == getattr(MPI, name):
-            return name
-    raise ValueError(f"JoinableComm supports the ops {', '.join(_OPS)}; got {op!r}")
+    name = op_name(op)
+    if name is None:
+        raise ValueError(f"JoinableComm supports the ops {', '.join(OPS)}; got {op!r}")
+    return name
 
 
 def _dtype_code(dtype: Any) -> int:
@@ -79,7 +77,7 @@ def _dtype_code(dtype: Any) -> int:
         raise TypeError(f"JoinableComm cannot send dtype {dtype}") from None
 
 
-class JoinableComm(Joinable):
+class JoinableComm(CommJoinable):
     """A Joinable wrapping a communicator: its collectives are shadowed automatically.
 
     Results on active ranks are exactly what they would be if the joined ranks did not exist.
@@ -89,10 +87,8 @@ class JoinableComm(Joinable):
 
     Parameters
     ----------
-    comm : mpi4py.MPI.Intracomm, optional
-        Defaults to ``MPI.COMM_WORLD``.
-    timeout : float, optional
-        Seconds any wait may take; default ``$TENSORPLAY_MPI_TIMEOUT`` or 1800.
+    comm, timeout
+        As for :class:`~tensorplay_mpi.algorithms.comm_joinable.CommJoinable`.
 
     Examples
     --------
@@ -108,12 +104,7 @@ class JoinableComm(Joinable):
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None, timeout: float | None = None) -> None:
-        super().__init__()
-        self.comm = check_comm(default_comm() if comm is None else comm)
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.timeout = resolve_timeout(timeout)
-        Guard.attach(self.comm)
-        self.device = "cpu"  # of the last array seen; joined ranks shadow from host memory
+        super().__init__(comm, timeout)  # device: of the last array seen (joined ranks: host)
         self._announcement = np.empty(_SLOTS, np.int64)
         self._announcing = False  # this iteration has joined ranks: announce every operation
         self._owner: Join | None = None  # the Join of the current iteration
@@ -177,10 +168,6 @@ class JoinableComm(Joinable):
         iallreduce(self.comm, MPI.IN_PLACE, self._announcement, MPI.MAX, what).wait_or_abort(
             self.timeout)
 
-    def _wait(self, work: Work) -> Any:
-        work.wait_or_abort(self.timeout)
-        return work.result()
-
     # -- operations ------------------------------------------------------------------------
 
     def iallreduce(self, x: Any, op: MPI.Op = MPI.SUM, out: Any = None) -> Work:
@@ -196,7 +183,7 @@ class JoinableComm(Joinable):
         x = self._array(x)
         out = _output(x, out)
         if self._announcing:
-            self._announce(_ALLREDUCE, _OPS.index(_op_name(op)) + 1, _dtype_code(x.dtype),
+            self._announce(_ALLREDUCE, OPS.index(_op_name(op)) + 1, _dtype_code(x.dtype),
                            x.shape)
         return self._own(iallreduce(self.comm, x, out, op, f"allreduce ({self._where()})"))
 
@@ -278,14 +265,6 @@ class JoinableComm(Joinable):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return _FollowAnnouncements(self)
 
-    @property
-    def join_device(self) -> str:
-        return self.device
-
-    @property
-    def join_process_group(self) -> MPI.Intracomm:
-        return self.comm
-
 
 def _output(x: Any, out: Any) -> Any:
     if out is None:
@@ -314,7 +293,7 @@ class _FollowAnnouncements(JoinHook):
         key = (op, shape, dtype)
         buffers = self._buffers.pop(key, None)
         if buffers is None:
-            fill = identity(getattr(MPI, _OPS[op - 1]), dtype) if op else 0
+            fill = identity(getattr(MPI, OPS[op - 1]), dtype) if op else 0
             buffers = np.full(shape, fill, dtype), np.empty(shape, dtype)
         self._buffers[key] = buffers  # most recent last
         if len(self._buffers) > self._CACHED:
@@ -335,7 +314,7 @@ class _FollowAnnouncements(JoinHook):
             dtype = _DTYPES[code - 1]
             if kind == _ALLREDUCE:
                 contribution, received = self._shadow_buffers(op, shape, dtype)
-                jc._wait(iallreduce(jc.comm, contribution, received, getattr(MPI, _OPS[op - 1]),
+                jc._wait(iallreduce(jc.comm, contribution, received, getattr(MPI, OPS[op - 1]),
                                     f"allreduce ({jc._where()}, joined)"))
             elif kind == _ALLGATHER:
                 jc._wait(jc._gather_rows(np.empty((0,) + shape[1:], dtype), 0))

@@ -12,10 +12,10 @@ from typing import Any, Sequence
 
 from mpi4py import MPI
 
-from ..algorithms.join import Join, Joinable, JoinHook
+from ..algorithms.comm_joinable import CommJoinable
+from ..algorithms.join import Join, JoinHook
 from ..buffers import device_of
-from ..comm import Work, check_comm, default_comm, ibcast, irecv, isend
-from ..guard import Guard
+from ..comm import Work, ibcast, irecv, isend
 from .local import Adam, Optimizer
 
 __all__ = ["ZeroRedundancyOptimizer", "partition"]
@@ -37,7 +37,7 @@ def partition(nbytes: Sequence[int], size: int) -> list[int]:
     return owners
 
 
-class ZeroRedundancyOptimizer(Joinable):
+class ZeroRedundancyOptimizer(CommJoinable):
     """Optimizer whose state is sharded over the ranks of `comm`.
 
     Collective over `comm`: every rank constructs it with the same parameter shapes, and calls
@@ -50,8 +50,8 @@ class ZeroRedundancyOptimizer(Joinable):
         ``dp.grads``, which hold the average after ``dp.step()``).
     optimizer_class : type, default Adam
         A local optimizer class from :mod:`tensorplay_mpi.optim`; it runs on this rank's shard.
-    comm : mpi4py.MPI.Intracomm, optional
-        Defaults to ``MPI.COMM_WORLD``.
+    comm, timeout
+        As for :class:`~tensorplay_mpi.algorithms.comm_joinable.CommJoinable`.
     **defaults
         Hyperparameters of `optimizer_class` (``lr``, ``betas``, ...).
 
@@ -65,16 +65,14 @@ class ZeroRedundancyOptimizer(Joinable):
 
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  optimizer_class: type[Optimizer] = Adam, comm: MPI.Intracomm | None = None,
-                 **defaults: Any) -> None:
-        super().__init__()
-        self.comm = check_comm(default_comm() if comm is None else comm)
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+                 timeout: float | None = None, **defaults: Any) -> None:
+        super().__init__(comm, timeout)
         self.params = list(params)
         grads = list(grads)
         if len(grads) != len(self.params):
             raise ValueError(f"got {len(self.params)} params but {len(grads)} grads")
         self.optimizer_class = optimizer_class
-        Guard.attach(self.comm)
+        self.device = device_of(self.params[0]) if self.params else "cpu"
         self.owners = partition([p.nbytes for p in self.params], self.size)
         self.shard = [i for i, owner in enumerate(self.owners) if owner == self.rank]
         self.local = optimizer_class([self.params[i] for i in self.shard],
@@ -91,10 +89,8 @@ class ZeroRedundancyOptimizer(Joinable):
 
     def _step_shard_and_sync(self) -> None:
         self.local.step()
-        works = [ibcast(self.comm, p, self.owners[i], f"parameter sync {i}")
-                 for i, p in enumerate(self.params)]
-        for work in works:
-            work.wait()
+        self._wait_all([ibcast(self.comm, p, self.owners[i], f"parameter sync {i}")
+                        for i, p in enumerate(self.params)])
 
     @property
     def state_nbytes(self) -> int:
@@ -126,8 +122,7 @@ class ZeroRedundancyOptimizer(Joinable):
                 else:
                     buf = full["state"][i][name] = self.params[i] * 0
                     works.append(irecv(self.comm, buf, owner, _TAG))
-        for work in works:
-            work.wait()
+        self._wait_all(works)
         if self.rank == to:
             full["state"] = dict(sorted(full["state"].items()))
         self._consolidated = full if self.rank == to else None
@@ -165,14 +160,6 @@ class ZeroRedundancyOptimizer(Joinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return _ZeroHook(self)
-
-    @property
-    def join_device(self) -> str:
-        return device_of(self.params[0]) if self.params else "cpu"
-
-    @property
-    def join_process_group(self) -> MPI.Intracomm:
-        return self.comm
 
 
 class _ZeroHook(JoinHook):

@@ -23,11 +23,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..algorithms.join import Join, Joinable, JoinHook
+from ..algorithms.comm_joinable import CommJoinable
+from ..algorithms.join import Join, JoinHook
 from ..buffers import device_of, is_device_array
-from ..comm import (Work, check_comm, default_comm, iallgather, iallreduce, ibcast,
-                    resolve_timeout)
-from ..guard import Guard
+from ..comm import iallgather, iallreduce, ibcast
 from .buckets import GradientViews, make_buckets
 
 __all__ = ["DataParallel"]
@@ -56,12 +55,7 @@ def _one_device(arrays: list[Any]) -> str:
     return devices.pop() if devices else "cpu"
 
 
-def _wait_all(works: list[Work], timeout: float) -> None:
-    for work in works:
-        work.wait_or_abort(timeout)
-
-
-class DataParallel(Joinable):
+class DataParallel(CommJoinable):
     """Average gradients over ranks, in buckets, with uneven numbers of batches per rank.
 
     Collective over `comm`: every rank constructs it, with the same parameter shapes and
@@ -74,7 +68,8 @@ class DataParallel(Joinable):
         the caller; C-contiguous float32 or float64 (one bucket set per dtype).  Buckets,
         zeroing and averaging stay on that device.
     comm : mpi4py.MPI.Intracomm, optional
-        Defaults to ``MPI.COMM_WORLD``.
+        Defaults to ``MPI.COMM_WORLD``; see
+        :class:`~tensorplay_mpi.algorithms.comm_joinable.CommJoinable`.
     bucket_cap_mb : float, default 25.0
         Largest bucket in MiB (a larger parameter gets a bucket of its own).
     broadcast_from : int, default 0
@@ -83,9 +78,7 @@ class DataParallel(Joinable):
         Non-trained state (running statistics, ...): broadcast at each step start from the
         highest active rank.
     timeout : float, optional
-        Seconds any wait may take before the job is aborted with
-        :class:`~tensorplay_mpi.errors.CollectiveTimeoutError`; default
-        ``$TENSORPLAY_MPI_TIMEOUT`` or 1800.
+        Seconds any wait may take (default ``$TENSORPLAY_MPI_TIMEOUT`` or 1800).
 
     Attributes
     ----------
@@ -114,10 +107,7 @@ class DataParallel(Joinable):
         buffers: Sequence[np.ndarray] = (),
         timeout: float | None = None,
     ) -> None:
-        super().__init__()
-        self.comm = check_comm(default_comm() if comm is None else comm)
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.timeout = resolve_timeout(timeout)
+        super().__init__(comm, timeout)
         self.params = _check_arrays(params, "params", floating=True)
         self.buffers = _check_arrays(buffers, "buffers", floating=False)
         self.device = _one_device(self.params + self.buffers)
@@ -126,7 +116,6 @@ class DataParallel(Joinable):
         if not 0 <= broadcast_from < self.size:
             raise ValueError(f"broadcast_from must be a rank in [0, {self.size}), got "
                              f"{broadcast_from!r}")
-        self._guard = Guard.attach(self.comm)
         self._steps = 0
         self._check_same_on_every_rank()
         self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20)
@@ -150,7 +139,7 @@ class DataParallel(Joinable):
         digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
         mine = np.frombuffer(digest, dtype=np.int64).copy()
         every = np.empty(self.size, dtype=np.int64)
-        iallgather(self.comm, mine, every, "parameter layout check").wait_or_abort(self.timeout)
+        self._wait(iallgather(self.comm, mine, every, "parameter layout check"))
         if (every != every[0]).any():
             groups: dict[int, list[int]] = {}
             for rank, value in enumerate(every.tolist()):
@@ -162,8 +151,8 @@ class DataParallel(Joinable):
             )
 
     def _broadcast(self, arrays: list[np.ndarray], root: int, what: str) -> None:
-        _wait_all([ibcast(self.comm, a, root, f"{what} {i + 1} of {len(arrays)}")
-                   for i, a in enumerate(arrays)], self.timeout)
+        self._wait_all([ibcast(self.comm, a, root, f"{what} {i + 1} of {len(arrays)}")
+                        for i, a in enumerate(arrays)])
 
     # -- the public step API --------------------------------------------------------------
 
@@ -257,8 +246,7 @@ class DataParallel(Joinable):
         self._steps += 1
         active = self.size
         if heartbeat is not None:
-            heartbeat.wait_or_abort(self.timeout)
-            active = heartbeat.result()
+            active = self._wait(heartbeat)
         self._step_syncs, root = self._sync, self.size - 1
         if active < self.size:
             self._step_syncs, root, active = self._exchange_control(self._sync)
@@ -276,8 +264,8 @@ class DataParallel(Joinable):
         if syncs is not None:
             control[0] = int(syncs)
             control[1 + self.rank] = 1
-        iallreduce(self.comm, MPI.IN_PLACE, control, MPI.SUM,
-                   f"step control (step {self._steps})").wait_or_abort(self.timeout)
+        self._wait(iallreduce(self.comm, MPI.IN_PLACE, control, MPI.SUM,
+                              f"step control (step {self._steps})"))
         active_ranks = np.flatnonzero(control[1:])
         active, syncing = len(active_ranks), int(control[0])
         if syncing not in (0, active):
@@ -303,13 +291,13 @@ class DataParallel(Joinable):
         for k, bucket in enumerate(self._buckets):
             if self._next_bucket == k:
                 self._start_bucket(k, shadow)
-            bucket.work.wait_or_abort(self.timeout)
+            self._wait(bucket.work)
             if self._next_bucket == k + 1 and k < last:
                 self._start_bucket(k + 1, shadow)  # posted before this bucket's division
             bucket.flat /= divisor
 
     def _wait_started_buckets(self) -> None:
-        _wait_all([bucket.work for bucket in self._buckets[:self._next_bucket]], self.timeout)
+        self._wait_all(bucket.work for bucket in self._buckets[:self._next_bucket])
 
     # -- Joinable -----------------------------------------------------------------------------
 
@@ -325,13 +313,6 @@ class DataParallel(Joinable):
         self.divide_by_initial_world_size = bool(divide_by_initial_world_size)
         return _DataParallelHook(self)
 
-    @property
-    def join_device(self) -> str:
-        return self.device
-
-    @property
-    def join_process_group(self) -> MPI.Intracomm:
-        return self.comm
 
 
 class _DataParallelHook(JoinHook):
@@ -356,7 +337,6 @@ class _DataParallelHook(JoinHook):
         dp = self.dp
         flags = np.array([dp.rank if is_last_joiner else -1, int(not is_last_joiner)],
                          dtype=np.int64)
-        iallreduce(dp.comm, MPI.IN_PLACE, flags, MPI.MAX, "last joiner").wait_or_abort(
-            dp.timeout)
+        dp._wait(iallreduce(dp.comm, MPI.IN_PLACE, flags, MPI.MAX, "last joiner"))
         stale = dp.params + dp.buffers if flags[1] else dp.buffers
         dp._broadcast(stale, int(flags[0]), "final broadcast")
