@@ -124,7 +124,7 @@ class Guard:
             mine[row, :len(data)] = np.frombuffer(data, np.uint8)
         every = np.empty((self.size, 2, _SIGNATURE_BYTES), np.uint8)
         Work(self.checks.Iallgather(mine, every), f"signature check before {what}",
-             (mine, every), None, self.checks, self).wait_or_abort(default_timeout())
+             (mine, every), None, self).wait_or_abort(default_timeout())
         if (every[:, 0] != every[0, 0]).any():
             rows = [f"  rank {r}: {_text(every[r, 0])}  [{_text(every[r, 1])}]"
                     for r in range(self.size)]
@@ -174,7 +174,7 @@ class Guard:
                  for r in range(self.size) if r != self.rank]
         count = np.array([int(own)], np.int64)
         Work(self.notices.Iallreduce(MPI.IN_PLACE, count, MPI.SUM), "failure agreement",
-             (count,), None, self.notices).wait_or_abort(timeout, poll=False)
+             (count,)).wait_or_abort(timeout, poll=False)
         while len(self.received) < self.size - 1:  # all were sent before the agreement ended
             self.received.append(self.notices.recv(source=MPI.ANY_SOURCE, tag=_NOTICE_TAG))
         MPI.Request.Waitall(sends)

@@ -51,4 +51,5 @@ for rank in range(world.size):
         print(f"RESULT rank={rank} {outcome}", flush=True)
     world.Barrier()
 if error is not None:
+    time.sleep(0.5)  # let mpiexec forward every rank's RESULT before the abort ends the job
     raise error
