@@ -3,7 +3,8 @@
 from . import comm, data, optim
 from .algorithms.join import Join, Joinable, JoinHook
 from .comm import Work
-from .errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, EarlyTerminationError,
+                     PeerFailureError)
 from .joinable_comm import JoinableComm
 from .optim import SGD, Adam, AdamW, ZeroRedundancyOptimizer
 from .parallel import DataParallel
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Join", "Joinable", "JoinHook", "Work", "DataParallel", "JoinableComm",
     "SGD", "Adam", "AdamW", "ZeroRedundancyOptimizer",
-    "CollectiveMismatchError", "CollectiveTimeoutError", "PeerFailureError",
+    "CollectiveMismatchError", "CollectiveTimeoutError", "EarlyTerminationError",
+    "PeerFailureError",
     "comm", "data", "optim", "__version__",
 ]

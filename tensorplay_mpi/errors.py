@@ -1,6 +1,7 @@
 """The exceptions tensorplay_mpi raises when a collective cannot complete as issued."""
 
-__all__ = ["CollectiveTimeoutError", "PeerFailureError", "CollectiveMismatchError"]
+__all__ = ["CollectiveTimeoutError", "PeerFailureError", "CollectiveMismatchError",
+           "EarlyTerminationError"]
 
 
 class CollectiveTimeoutError(TimeoutError):
@@ -13,3 +14,10 @@ class PeerFailureError(RuntimeError):
 
 class CollectiveMismatchError(RuntimeError):
     """Ranks were about to issue different collectives (``TENSORPLAY_MPI_DEBUG=1``)."""
+
+
+class EarlyTerminationError(RuntimeError):
+    """Throw mode (``Join(..., throw_on_early_termination=True)``): some rank ran out of inputs.
+
+    A subclass of ``RuntimeError``, so code written for PyTorch's Join still catches it.
+    """

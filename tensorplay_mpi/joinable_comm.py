@@ -124,17 +124,18 @@ class JoinableComm(CommJoinable):
         if heartbeat is not None:
             heartbeat.wait_or_abort(self.timeout)
             active = heartbeat.result()
-        elif self._join_config is not None:
-            active = self._join_config.join._active_ranks()
+        elif self.join_context is not None:
+            active = self.join_context.active_ranks()
         else:
             active = self.size
         self._announcing = active < self.size
-        self._owner = self._join_config.join if self._join_config is not None else None
+        self._owner = self.join_context
         self._begun = True
 
-    def _finish_iteration(self) -> None:
-        config = self._join_config
-        if config is not None and config.join is self._owner:  # not after an exception
+    def end_iteration(self) -> None:
+        """Complete this iteration's dropped Works; announce END when ranks have joined."""
+        join = self.join_context
+        if join is not None and join is self._owner:  # not after an exception
             for work in self._works:  # i-variants' Works that their caller dropped
                 work.wait_or_abort(self.timeout)
             if self._announcing:
@@ -147,8 +148,8 @@ class JoinableComm(CommJoinable):
         return work
 
     def _check_begun(self) -> None:
-        config = self._join_config
-        if not self._begun and config is not None and config.join._enable:
+        join = self.join_context
+        if not self._begun and join is not None and join.enabled:
             raise RuntimeError("call jc.begin_iteration() at the start of every iteration "
                                "inside a Join, before its first operation")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
@@ -22,6 +21,7 @@ from mpi4py import MPI
 
 from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
+from ..errors import EarlyTerminationError
 from ..guard import Guard
 
 __all__ = ["Join", "Joinable", "JoinHook"]
@@ -52,24 +52,19 @@ class JoinHook:
         """
 
 
-@dataclass(frozen=True)
-class _JoinConfig:
-    join: "Join"
-    is_first_joinable: bool
-
-
 class Joinable(ABC):
     """Something that issues collectives per iteration and can shadow them once joined.
 
     Subclasses must call ``Joinable.__init__`` (``super().__init__()``) and implement
     :meth:`join_hook`, :attr:`join_device` and :attr:`join_process_group`.  Each iteration
-    should start with ``Join.notify_join_context(self)``.
+    should start with ``Join.notify_join_context(self)``.  :attr:`join_context` is the Join
+    the joinable is bound to; :meth:`end_iteration` may be overridden.
     """
 
     @abstractmethod
     def __init__(self) -> None:
         super().__init__()
-        self._join_config: _JoinConfig | None = None
+        self._bound_join: Join | None = None
 
     @abstractmethod
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -85,11 +80,21 @@ class Joinable(ABC):
     def join_process_group(self) -> MPI.Intracomm:
         """The communicator this joinable's collectives run on."""
 
-    def _finish_iteration(self) -> None:
-        """Called by the Join before each heartbeat and before this rank starts shadowing.
+    @property
+    def join_context(self) -> "Join | None":
+        """The entered Join this joinable is bound to, else ``None``.
 
-        A joinable whose iterations end with a marker to joined ranks (JoinableComm) sends it
-        here; the default does nothing.
+        Its public state (:attr:`Join.enabled`, :attr:`Join.joinables`, :attr:`Join.joined`,
+        :meth:`Join.active_ranks`) is what a joinable may read about its Join.
+        """
+        return _bound_join(self)
+
+    def end_iteration(self) -> None:
+        """Close the current iteration; the Join calls it before each heartbeat and once
+        before this rank starts shadowing, for every joinable in list order.
+
+        A joinable whose iterations end with a message to joined ranks (JoinableComm sends an
+        END announcement) sends it here.  The default does nothing.
         """
 
 
@@ -97,9 +102,9 @@ def _first_int(buf: np.ndarray) -> int:
     return int(buf[0])
 
 
-def _config_of(joinable: Joinable) -> _JoinConfig | None:
+def _bound_join(joinable: Joinable) -> "Join | None":
     try:
-        return joinable._join_config
+        return joinable._bound_join
     except AttributeError:
         name = type(joinable).__name__
         raise TypeError(
@@ -126,7 +131,8 @@ class Join:
     enable : bool, default True
         ``False`` makes the context inert (no heartbeat, no hooks), for even inputs.
     throw_on_early_termination : bool, default False
-        Raise ``RuntimeError`` on every rank as soon as one rank runs out of inputs, instead
+        Raise :class:`~tensorplay_mpi.errors.EarlyTerminationError` (a ``RuntimeError``) on
+        every rank as soon as one rank runs out of inputs, instead
         of shadowing.
     timeout : float, optional
         Seconds any of the Join's waits may take before the job is aborted with
@@ -234,7 +240,7 @@ class Join:
         for joinable in self._joinables:
             if not isinstance(joinable, Joinable):
                 raise TypeError(f"Join takes Joinable objects, got {type(joinable).__name__}")
-            _config_of(joinable)
+            _bound_join(joinable)
         if len({id(j) for j in self._joinables}) != len(self._joinables):
             names = [type(j).__name__ for j in self._joinables]
             raise ValueError(f"Join got the same joinable more than once: {names}")
@@ -252,16 +258,45 @@ class Join:
             raise RuntimeError("this Join was already entered; a Join is single-use, "
                                "make a new one")
         for joinable in self._joinables:
-            if _config_of(joinable) is not None:
+            if _bound_join(joinable) is not None:
                 raise RuntimeError(
                     f"{type(joinable).__name__} is already in an active Join; "
                     "two Joins cannot share a joinable"
                 )
         self._entered = True
         self._guard = Guard.attach(self._comm)
-        for i, joinable in enumerate(self._joinables):
-            joinable._join_config = _JoinConfig(self, is_first_joinable=(i == 0))
+        for joinable in self._joinables:
+            joinable._bound_join = self
         return self
+
+    # -- the public view joinables read -----------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the Join runs its protocol (``enable=True``); a disabled Join is inert."""
+        return self._enable
+
+    @property
+    def joinables(self) -> tuple[Joinable, ...]:
+        """The joinables in list order: the order of an iteration's collectives and hooks."""
+        return tuple(self._joinables)
+
+    @property
+    def joined(self) -> bool:
+        """Whether this rank has run out of inputs and is shadowing (or finishing)."""
+        return self._joining
+
+    def active_ranks(self) -> int:
+        """Ranks active in the current iteration: the latest heartbeat's count.
+
+        Waits for that heartbeat if needed.  The world size when the Join is disabled, when
+        this rank has joined, or before the first heartbeat.
+        """
+        if not self._enable or self._joining or not self._heartbeats:
+            return self._comm.Get_size()
+        heartbeat = self._heartbeats[-1]
+        heartbeat.wait_or_abort(self._timeout)
+        return heartbeat.result()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
@@ -277,7 +312,7 @@ class Join:
                     raise
         finally:
             for joinable in self._joinables:
-                joinable._join_config = None
+                joinable._bound_join = None
 
     def _settle(self, error: BaseException) -> None:
         """The failure path: agree with every rank; complete the heartbeats if still possible."""
@@ -302,15 +337,14 @@ class Join:
 
         Raises
         ------
-        RuntimeError
+        tensorplay_mpi.errors.EarlyTerminationError
             In throw mode, when some rank has run out of inputs.
         TypeError
             If `joinable` skipped ``Joinable.__init__``.
         """
-        config = _config_of(joinable)
-        if config is None or not config.is_first_joinable:
+        join = _bound_join(joinable)
+        if join is None or join._joinables[0] is not joinable:
             return None
-        join = config.join
         if not join._enable or join._joining:
             return None
         return join._heartbeat()
@@ -325,22 +359,14 @@ class Join:
         self._heartbeats.append(work)
         if self._throw_on_early_termination and self._sum_over_ranks(
                 0, f"throw check (iteration {self._iterations})") > 0:
-            raise RuntimeError(
+            raise EarlyTerminationError(
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks."
             )
         return work
 
     def _finish_iterations(self) -> None:
         for joinable in self._joinables:
-            joinable._finish_iteration()
-
-    def _active_ranks(self) -> int:
-        """Ranks active in the current iteration: the last heartbeat's count (waited for)."""
-        if not self._enable or self._joining or not self._heartbeats:
-            return self._comm.Get_size()
-        heartbeat = self._heartbeats[-1]
-        heartbeat.wait_or_abort(self._timeout)
-        return heartbeat.result()
+            joinable.end_iteration()
 
     def _wait_heartbeats(self) -> None:
         # Safe on every path: each rank started the same heartbeats in the same order.
@@ -373,7 +399,7 @@ class Join:
                 break
             if self._throw_on_early_termination:
                 self._sum_over_ranks(1, "throw notice")
-                raise RuntimeError(f"Rank {self._rank} exhausted all inputs.")
+                raise EarlyTerminationError(f"Rank {self._rank} exhausted all inputs.")
             for hook in self._join_hooks:
                 hook.main_hook()
             is_last_joiner = False

@@ -238,9 +238,9 @@ class DataParallel(CommJoinable):
 
     def _begin_step(self) -> None:
         heartbeat = Join.notify_join_context(self)
-        config = self._join_config
-        if heartbeat is None and config is not None and config.join._enable \
-                and not config.is_first_joinable:
+        join = self.join_context
+        if heartbeat is None and join is not None and join.enabled \
+                and join.joinables[0] is not self:
             raise RuntimeError("DataParallel must be the first joinable of its Join: "
                                "Join([dp, ...])")
         self._steps += 1
