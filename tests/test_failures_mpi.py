@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 import pytest
+from fake_device import reset_settings
 from helpers import assert_all
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,7 +13,7 @@ from mpi4py import MPI
 from test_join_mpi import run
 from toys import AllReducer, active_counts
 
-from tensorplay_mpi import CollectiveMismatchError, DataParallel, Join, PeerFailureError, guard
+from tensorplay_mpi import CollectiveMismatchError, DataParallel, Join, PeerFailureError
 from tensorplay_mpi.comm import iallreduce, outstanding_requests
 
 
@@ -88,7 +89,8 @@ def test_an_inter_communicator_is_a_type_error(comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_debug_mismatch_raises_everywhere_and_the_communicator_stays_usable(comm, monkeypatch):
-    monkeypatch.setattr(guard, "DEBUG", True)
+    monkeypatch.setenv("TENSORPLAY_MPI_DEBUG", "1")
+    reset_settings()
     joinable = AllReducer(comm)
     error = None
     try:

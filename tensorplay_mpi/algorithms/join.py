@@ -23,6 +23,7 @@ from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
 from ..guard import Guard
+from ..work import complete_pending
 
 __all__ = ["Join", "Joinable", "JoinHook"]
 
@@ -219,10 +220,10 @@ class Join:
     ) -> None:
         self._joinables = list(joinables)
         self._check_joinables()
-        first = self._joinables[0]
-        self._comm: MPI.Intracomm = first.join_process_group
+        self._comm: MPI.Intracomm = self._joinables[0].join_process_group
         self._rank = self._comm.Get_rank()
-        check_device(first.join_device, "join_device")
+        for joinable in self._joinables:
+            check_device(joinable.join_device, f"{type(joinable).__name__}.join_device")
         self._enable = bool(enable)
         self._throw_on_early_termination = bool(throw_on_early_termination)
         self._timeout = resolve_timeout(timeout)
@@ -300,9 +301,11 @@ class Join:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
+            if not self._enable:  # inert: started nothing, agrees on nothing
+                return
             if exc is not None:
                 self._settle(exc)
-            elif self._enable:  # a disabled Join started nothing
+            else:
                 try:
                     self._finish_iterations()
                     self._wait_heartbeats()
@@ -315,9 +318,12 @@ class Join:
                 joinable._bound_join = None
 
     def _settle(self, error: BaseException) -> None:
-        """The failure path: agree with every rank; complete the heartbeats if still possible."""
-        if self._guard.settle(error, self._timeout):
-            self._wait_heartbeats()
+        """The failure path: agree with every rank; when every rank failed on its own, complete
+        every operation still pending on the communicator (of any joinable), so nothing leaks
+        into the next Join."""
+        if self._guard.settle(error).intact:
+            self._heartbeats.clear()
+            complete_pending(self._guard, self._timeout)
 
     @staticmethod
     def notify_join_context(joinable: Joinable) -> Work | None:

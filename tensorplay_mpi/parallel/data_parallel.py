@@ -195,7 +195,7 @@ class DataParallel(CommJoinable):
         try:
             yield self
         except BaseException as error:
-            if self._guard.settle(error, self.timeout):
+            if self._guard.settle(error).intact:
                 self._wait_started_buckets()  # never leave a request behind
             raise
         else:
