@@ -1,13 +1,18 @@
 """Join, Joinable and JoinHook over MPI: the uneven-inputs protocol and nothing else.
 
 The contract is the one of ``torch.distributed.algorithms.join``.  The wire protocol (all int64,
-all nonblocking, see DESIGN.md):
+all nonblocking; the documentation's "Wire protocol" page has every joinable's schedule):
 
-- active rank, each iteration: ``Iallreduce([1], SUM)`` (the heartbeat), then its collectives;
-- joined rank, each round: ``Iallreduce([0], SUM)`` + wait gives the number of active ranks
-  ``n``; ``n == 0`` ends the loop, else every main hook shadows one active iteration;
+- active rank, each iteration: every joinable's :meth:`Joinable.end_iteration` (list order),
+  then ``Iallreduce([1], SUM)`` (the heartbeat), then the iteration's collectives, joinable by
+  joinable in list order;
+- on leaving the block: every ``end_iteration`` once more, then the joined loop.  Joined rank,
+  each round: ``Iallreduce([0], SUM)`` + wait gives the number of active ranks ``n``; ``n == 0``
+  ends the loop, else every main hook shadows one active iteration, in list order; then every
+  post hook once, in list order;
 - throw mode adds one pair per iteration: active ``Iallreduce([0])`` + wait (raise if > 0),
-  joined ``Iallreduce([1])`` + wait, then raise.
+  joined ``Iallreduce([1])`` + wait, then raise
+  :class:`~tensorplay_mpi.errors.EarlyTerminationError`.
 """
 
 from __future__ import annotations
