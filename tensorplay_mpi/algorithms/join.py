@@ -23,6 +23,7 @@ from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
 from ..guard import Guard
+from ..threads import limit_threads
 
 __all__ = ["Join", "Joinable", "JoinHook"]
 
@@ -265,6 +266,7 @@ class Join:
                 )
         self._entered = True
         self._guard = Guard.attach(self._comm)
+        limit_threads(self._comm)
         for joinable in self._joinables:
             joinable._bound_join = self
         return self
