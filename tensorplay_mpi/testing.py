@@ -77,10 +77,11 @@ def raises_everywhere(expected: type[BaseException] | tuple[type[BaseException],
     info = RaisedInfo()
     try:
         yield info
-    except Exception as error:  # decided below, on every rank
-        info.value = error
+    except Exception as raised:  # decided below, on every rank
+        info.value = raised
     error = info.value
-    names = getattr(expected, "__name__", None) or "/".join(e.__name__ for e in expected)
+    kinds = expected if isinstance(expected, tuple) else (expected,)
+    names = "/".join(kind.__name__ for kind in kinds)
     if error is None:
         ok, detail = False, f"raised nothing, expected {names}"
     elif not isinstance(error, expected):
