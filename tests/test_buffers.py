@@ -116,10 +116,3 @@ def test_params_on_two_devices_are_a_value_error():
     with pytest.raises(ValueError, match=r"one device, got \[0\] on cpu, \[1\] on cuda:0"):
         DataParallel([np.zeros(2), on_device(np.zeros(2))], comm=MPI.COMM_SELF)
 
-
-def test_info_reports_mpi_and_the_cuda_decision():
-    result = subprocess.run([sys.executable, "-m", "tensorplay_mpi.info"], capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert MPI.Get_library_version().splitlines()[0].strip() in result.stdout
-    assert "CUDA-aware: no (the MPI library reports no CUDA support" in result.stdout
