@@ -13,7 +13,7 @@ TEST_TIMEOUT ?= 60
 RUN_TIMEOUT  ?= 900
 PYTEST_MPI   := -m pytest --with-mpi -m mpi -q --color=no --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-.PHONY: venv test test-serial test-mpi test-openmpi docs slurm-test demo lint bench gpu-check clean
+.PHONY: venv test test-serial test-mpi test-openmpi docs slurm-test demo lint bench bench-threads gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -99,6 +99,11 @@ bench: venv
 	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_jc.py \
 	    --out benchmarks/results/jc-$$n-ranks.json || exit 1; \
 	done
+
+# BLAS threads: a DataParallel step in the default environment against OPENBLAS_NUM_THREADS=1,
+# launches interleaved (the environment is read when BLAS loads); JSON in benchmarks/results/.
+bench-threads: venv
+	$(PY) benchmarks/bench_threads.py --ranks 2 --out benchmarks/results/threads-2-ranks.json
 
 # On a machine with an NVIDIA GPU and CuPy (visible to $(PYTHON)): the gpu tests at 1 and 2
 # ranks, then the GPU benchmark; JSON in benchmarks/results/. Under five minutes.
