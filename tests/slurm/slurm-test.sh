@@ -2,7 +2,7 @@
 # A real one-node Slurm on this machine: start munged, slurmctld and slurmd, submit the
 # templates train.sbatch and pytest.sbatch with small sizes through `sbatch --wait`, check their
 # exit codes and output; check train-gpu.sbatch with `sbatch --test-only` against two GPUs that
-# the node declares (no device files: this machine has none), then run it with DEVICE=cpu; stop
+# the node declares (stand-in device files: this machine has none), then run it with DEVICE=cpu; stop
 # what was started. Fails loudly when a step cannot run.
 # Usage: tests/slurm/slurm-test.sh VENV   (run from the repository root, as root)
 set -euo pipefail
@@ -41,7 +41,7 @@ started+=("$work/munge/munged.pid")
 host=$(hostname -s)
 node="$(slurmd -C | head -n 1) Gres=gpu:2"
 mkdir -p "$work/state" "$work/spool"
-echo "Name=gpu Count=2" > "$work/gres.conf"
+printf "Name=gpu File=/dev/null\nName=gpu File=/dev/zero\n" > "$work/gres.conf"  # stand-ins
 cat > "$SLURM_CONF" <<CONF
 ClusterName=tensorplay
 SlurmctldHost=$host
