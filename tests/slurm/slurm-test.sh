@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A real one-node Slurm on this machine: start munged, slurmctld and slurmd, submit the
 # templates train.sbatch and pytest.sbatch with small sizes through `sbatch --wait`, check their
-# exit codes and output; check train-gpu.sbatch with `sbatch --test-only` against two GPUs that
-# the node declares (stand-in device files: this machine has none), then run it with DEVICE=cpu; stop
-# what was started. Fails loudly when a step cannot run.
+# exit codes and output; check train-gpu.sbatch with `sbatch --test-only` against two GPUs
+# that the node declares (stand-in device files: this machine has none), then run it with
+# DEVICE=cpu; stop what was started. Fails loudly when a step cannot run.
 # Usage: tests/slurm/slurm-test.sh VENV   (run from the repository root, as root)
 set -euo pipefail
 venv=$(realpath "${1:?usage: slurm-test.sh VENV}")
@@ -112,6 +112,5 @@ wrong=$(timeout 120 srun --mpi=none --ntasks=2 "$venv/bin/python" -m mpi4py -c \
   && fail "srun --mpi=none did not fail: $wrong"
 grep -q "SLURM_STEP_NUM_TASKS=2" <<<"$wrong" && grep -q "srun --mpi=pmi2" <<<"$wrong" \
   || fail "srun --mpi=none did not give the launch error: $wrong"
-echo "slurm-test: train.sbatch, pytest.sbatch and train-gpu.sbatch (--test-only; DEVICE=cpu) passed"
-echo "slurm-test: on a real Slurm ($(sinfo -V)); the wrong"
-echo "slurm-test: --mpi plugin gave the launch error"
+echo "slurm-test: train.sbatch, pytest.sbatch and train-gpu.sbatch (--test-only, then DEVICE=cpu)"
+echo "slurm-test: passed on a real Slurm ($(sinfo -V)); the wrong --mpi plugin gave the launch error"
