@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ran every iteration (outside a Join every rank is active, so no begin_iteration).
     batch_counts = comm.allgather(len(mine))
     centroids = jc.bcast(centroids, root=int(np.argmax(batch_counts)))
-    report = {"ranks": comm.size, "batches": counts, "centroids": centroids.tolist()}
+    report = {"ranks": comm.size, "batches": batch_counts, "centroids": centroids.tolist()}
     if comm.rank == 0:
         print(json.dumps(report))
     return report
