@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 from helpers import assert_all
 from linear import make_problem, train
+from mpi4py import MPI
 from test_data_parallel_mpi import UNEVEN
 from test_join_mpi import inputs_of
 
@@ -42,8 +42,8 @@ def test_data_parallel_with_cupy_equals_the_host_run(comm, monkeypatch, mode, pa
 class StreamSpy(MPI.Intracomm):
     """The same communicator; records, at each Iallreduce, whether `stream` had finished."""
 
-    stream = None
-    done_at_start: list = []
+    stream: "cupy.cuda.Stream"
+    done_at_start: list[bool]
 
     def Iallreduce(self, *args, **kwargs):
         self.done_at_start.append(self.stream.done)
