@@ -5,12 +5,12 @@ import time
 
 import numpy as np
 import pytest
-from helpers import assert_all
+from helpers import active_counts, assert_all
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 from test_join_mpi import run
-from toys import AllReducer, active_counts
+from toys import AllReducer
 
 from tensorplay_mpi import CollectiveMismatchError, DataParallel, Join, PeerFailureError, guard
 from tensorplay_mpi.comm import iallreduce, outstanding_requests
