@@ -3,7 +3,7 @@
 
 PYTHON  ?= python3
 VENV    ?= .venv
-EXTRAS  ?= mpich,test,examples
+EXTRAS  ?= mpich,test,examples,bench
 BIN     := $(VENV)/bin
 PY      := $(BIN)/python
 MPIEXEC ?= $(BIN)/mpiexec
@@ -13,7 +13,7 @@ TEST_TIMEOUT ?= 60
 RUN_TIMEOUT  ?= 900
 PYTEST_MPI   := -m pytest --with-mpi -m mpi -q --color=no --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-.PHONY: venv test test-serial test-mpi test-openmpi docs slurm-test demo bench gpu-check clean
+.PHONY: venv test test-serial test-mpi test-openmpi docs slurm-test demo lint bench bench-threads gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -21,10 +21,17 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.installed: setup.cfg pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	touch $@
+
+# The demo needs only MPICH and scikit-learn, not the test tools: its own stamp in the same venv.
+$(VENV)/.demo: setup.cfg pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[mpich,examples]'
 	touch $@
 
 test: test-serial test-mpi
@@ -57,8 +64,19 @@ docs: venv
 slurm-test: venv
 	bash tests/slurm/slurm-test.sh $(VENV)
 
-demo: venv
+demo: $(VENV)/.demo
 	$(MPIEXEC) -n 4 $(PY) -m mpi4py -m tensorplay_mpi.examples.train
+
+# ruff (configured in pyproject.toml) over the code, mypy over the package.
+lint: $(VENV)/.lint
+
+$(VENV)/.lint: setup.cfg pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[lint]'
+	touch $@
+
+lint:
+	$(BIN)/ruff check tensorplay_mpi tests benchmarks docs/conf.py
+	$(BIN)/mypy
 
 # Benchmarks: ratios measured side by side in one run; JSON and a PNG in benchmarks/results/.
 BENCH_RANKS ?= 2 4
@@ -81,6 +99,11 @@ bench: venv
 	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_jc.py \
 	    --out benchmarks/results/jc-$$n-ranks.json || exit 1; \
 	done
+
+# BLAS threads: a DataParallel step in the default environment against OPENBLAS_NUM_THREADS=1,
+# launches interleaved (the environment is read when BLAS loads); JSON in benchmarks/results/.
+bench-threads: venv
+	$(PY) benchmarks/bench_threads.py --ranks 2 --out benchmarks/results/threads-2-ranks.json
 
 # On a machine with an NVIDIA GPU and CuPy (visible to $(PYTHON)): the gpu tests at 1 and 2
 # ranks, then the GPU benchmark; JSON in benchmarks/results/. Under five minutes.

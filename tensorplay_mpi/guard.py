@@ -77,7 +77,8 @@ class Guard:
     @staticmethod
     def of(comm: MPI.Comm) -> "Guard | None":
         """The guard attached to `comm`, if any."""
-        return comm.Get_attr(_KEYVAL)
+        guard = comm.Get_attr(_KEYVAL)
+        return guard if isinstance(guard, Guard) else None
 
     @classmethod
     def attach(cls, comm: MPI.Intracomm) -> "Guard":
@@ -138,7 +139,8 @@ class Guard:
         while self._receive_notice():
             if self._first_notice is None:
                 self._first_notice = time.monotonic()
-        if self.received and time.monotonic() - max(self._first_notice, since) > NOTICE_GRACE_S:
+        first = self._first_notice  # set iff a notice is being settled
+        if first is not None and time.monotonic() - max(first, since) > NOTICE_GRACE_S:
             rank, _, kind, message = self.received[0]
             error = PeerFailureError(f"rank {self.rank}: rank {rank} failed with {kind}: "
                                      f"{message} (while this rank waited for {what})")

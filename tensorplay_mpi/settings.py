@@ -8,6 +8,7 @@ variable                        meaning                                  default
 ``TENSORPLAY_MPI_DEBUG``        collective signature checks              ``0``
 ``TENSORPLAY_MPI_CUDA_AWARE``   device pointers to MPI: auto, 0 or 1     ``auto``
 ``TENSORPLAY_MPI_EXCEPTHOOK``   abort the job on an uncaught exception   ``1``
+``TENSORPLAY_MPI_THREADS``      BLAS threads per rank: keep or a number  automatic
 ==============================  =======================================  =========
 
 Booleans accept ``1/true/yes/on`` and ``0/false/no/off`` (any case).  A value that is none of
@@ -22,7 +23,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-__all__ = ["Settings", "settings", "positive_seconds"]
+__all__ = ["Settings", "settings", "positive_seconds", "threads_setting"]
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -37,6 +38,8 @@ class Settings:
     debug: bool = False
     cuda_aware: str = "auto"
     excepthook: bool = True
+    threads: int | str = "auto"
+    """``"auto"``, ``"keep"``, or a number of threads per rank."""
 
 
 def positive_seconds(value: object, name: str) -> float:
@@ -85,6 +88,19 @@ def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
     return text.lower()
 
 
+def threads_setting(text: str | None) -> int | str:
+    """``TENSORPLAY_MPI_THREADS``: ``"auto"`` when unset, ``"keep"``, or a positive integer."""
+    text = (text or "").strip().lower()
+    if not text:
+        return "auto"
+    if text == "keep":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"TENSORPLAY_MPI_THREADS must be keep or a positive integer, got "
+                         f"{text!r}")
+    return int(text)
+
+
 @lru_cache(maxsize=1)
 def settings() -> Settings:
     """The settings of this process, read from the environment on the first call.
@@ -102,4 +118,5 @@ def settings() -> Settings:
         debug=_flag("TENSORPLAY_MPI_DEBUG", Settings.debug),
         cuda_aware=_choice("TENSORPLAY_MPI_CUDA_AWARE", Settings.cuda_aware, ("auto", "0", "1")),
         excepthook=_flag("TENSORPLAY_MPI_EXCEPTHOOK", Settings.excepthook),
+        threads=threads_setting(os.environ.get("TENSORPLAY_MPI_THREADS")),
     )

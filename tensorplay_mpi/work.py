@@ -199,7 +199,7 @@ class Work:
         _pending.pop(id(self), None)
         if self._finish is not None:
             self._result = self._finish()
-        self._keep = self._finish = None
+        self._keep, self._finish = (), None
 
 
 def report_and_abort(error: BaseException) -> None:

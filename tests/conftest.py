@@ -1,22 +1,9 @@
-"""Shared fixtures: a fresh communicator per MPI test that must end with no pending request."""
+"""Shared fixtures.  The tensorplay_mpi.testing plugin (``-p`` in pyproject.toml) gives the
+``comm`` fixture, a fresh communicator per MPI test that must end with no pending request, and
+debug mode (collective signature checks) on unless TENSORPLAY_MPI_DEBUG is set."""
 
 import pytest
 from fake_device import reset_settings
-from helpers import assert_all
-from mpi4py import MPI
-
-from tensorplay_mpi.comm import outstanding_requests
-
-
-@pytest.fixture
-def comm():
-    """A duplicate of COMM_WORLD for one test; afterwards no library request may be pending."""
-    dup = MPI.COMM_WORLD.Dup()
-    yield dup
-    pending = outstanding_requests()
-    dup.Free()
-    assert_all(pending == 0, f"{pending} requests still pending after the test")
-
 
 
 @pytest.fixture(autouse=True)

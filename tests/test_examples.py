@@ -102,3 +102,48 @@ def test_kmeans_equals_the_serial_run_on_all_the_data(nprocs, idle_rank0):
         assert len(set(report["batches"])) > 1 and (report["batches"][0] == 0) == idle_rank0
     expected = kmeans.serial_kmeans(per_rank, data[:5].copy())
     np.testing.assert_allclose(report["centroids"], expected, rtol=1e-12, atol=0)
+
+
+def test_the_demo_says_why_it_exits_1_below_min_accuracy():
+    result = run_mpi(2, ["-m", "tensorplay_mpi.examples.train", "--epochs", "1",
+                         "--min-accuracy", "0.999"], timeout=120)
+    held_out = float(re.search(r"held-out accuracy ([\d.]+)", result.stdout).group(1))
+    assert held_out < 0.999 and result.returncode != 0
+    assert (f"FAILED: held-out accuracy {held_out:.4f} is below --min-accuracy 0.999"
+            in result.stdout), result.stdout
+
+
+def test_without_scikit_learn_the_demo_names_the_extra(tmp_path):
+    (tmp_path / "sklearn").mkdir()
+    (tmp_path / "sklearn" / "__init__.py").write_text("raise ImportError('hidden by the test')")
+    result = run_mpi(2, ["-m", "tensorplay_mpi.examples.train"], timeout=120,
+                     PYTHONPATH=str(tmp_path))
+    assert result.returncode != 0
+    assert "pip install 'tensorplay-mpi[examples]'" in result.stderr, result.stderr
+
+
+def test_device_cuda_without_cupy_names_the_extra(tmp_path):
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text("raise ImportError('hidden by the test')")
+    result = run_mpi(1, ["-m", "tensorplay_mpi.examples.train", "--device", "cuda"],
+                     timeout=120, PYTHONPATH=str(tmp_path))
+    assert result.returncode != 0
+    assert "--device cuda needs CuPy: pip install 'tensorplay-mpi[cuda]'" in result.stderr
+
+
+def _gpus():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec")
+@pytest.mark.skipif(not _gpus(), reason="no CUDA GPU and CuPy")
+def test_demo_on_gpus_is_accurate_and_identical_on_every_rank():
+    result = run_mpi(2, ["-m", "tensorplay_mpi.examples.train", "--device", "cuda"], timeout=300)
+    check_clean_exit(result)
+    assert "on cuda:" in result.stdout and "identical on all 2 ranks: yes" in result.stdout

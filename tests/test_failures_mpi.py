@@ -6,12 +6,12 @@ import time
 import numpy as np
 import pytest
 from fake_device import reset_settings
-from helpers import assert_all
+from helpers import active_counts, assert_all
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 from test_join_mpi import run
-from toys import AllReducer, active_counts
+from toys import AllReducer
 
 from tensorplay_mpi import (CollectiveMismatchError, DataParallel, Join, JoinableComm,
                             PeerFailureError)

@@ -5,24 +5,11 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import assert_all
-from toys import AFTER_CONSTANT, AllReducer, active_counts
+from helpers import PATTERNS, active_counts, assert_all, inputs_of
+from toys import AFTER_CONSTANT, AllReducer
 
 from tensorplay_mpi import EarlyTerminationError, Join
 from tensorplay_mpi.comm import iallreduce
-
-# Number of inputs of rank r in a world of size w; zeros included.
-PATTERNS = {
-    "three_plus_rank": lambda r, w: 3 + r,
-    "even": lambda r, w: 4,
-    "rank0_zero": lambda r, w: 0 if r == 0 else 2 + r,
-    "last_zero": lambda r, w: 0 if r == w - 1 else 5 - r,
-    "scrambled": lambda r, w: (7 * r + 3) % 5,
-}
-
-
-def inputs_of(pattern, size):
-    return [PATTERNS[pattern](r, size) for r in range(size)]
 
 
 def run(joinables, num_inputs, **join_kwargs):

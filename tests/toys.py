@@ -94,7 +94,3 @@ class NoInit(Joinable):
     def join_process_group(self):
         return self.comm
 
-
-def active_counts(inputs):
-    """Number of active ranks in each iteration, given every rank's number of inputs."""
-    return [sum(n > i for n in inputs) for i in range(max(inputs, default=0))]

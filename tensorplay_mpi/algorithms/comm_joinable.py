@@ -8,6 +8,7 @@ from mpi4py import MPI
 
 from ..comm import Work, check_comm, default_comm, resolve_timeout
 from ..guard import Guard
+from ..threads import limit_threads
 from .join import Joinable
 
 __all__ = ["CommJoinable"]
@@ -39,6 +40,7 @@ class CommJoinable(Joinable):
         self.timeout = resolve_timeout(timeout)
         self.device = device
         self._guard = Guard.attach(self.comm)
+        limit_threads(self.comm)
 
     def _wait(self, work: Work) -> Any:
         """Wait for `work` under this joinable's deadline; return its result."""

@@ -28,6 +28,7 @@ from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
 from ..guard import Guard
+from ..threads import limit_threads
 from ..work import complete_pending
 
 __all__ = ["Join", "Joinable", "JoinHook"]
@@ -271,6 +272,7 @@ class Join:
                 )
         self._entered = True
         self._guard = Guard.attach(self._comm)
+        limit_threads(self._comm)
         for joinable in self._joinables:
             joinable._bound_join = self
         return self
@@ -326,7 +328,7 @@ class Join:
         """The failure path: agree with every rank; when every rank failed on its own, complete
         every operation still pending on the communicator (of any joinable), so nothing leaks
         into the next Join."""
-        if self._guard.settle(error).intact:
+        if self._guard is not None and self._guard.settle(error).intact:
             self._heartbeats.clear()
             complete_pending(self._guard, self._timeout)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import reduce
 
 import numpy as np
 from mpi4py import MPI
@@ -64,7 +65,8 @@ def serial_kmeans(per_rank: list[list[np.ndarray]], centroids: np.ndarray) -> np
     centroids, seen = centroids.copy(), np.zeros(len(centroids), np.int64)
     for t in range(max(len(b) for b in per_rank)):
         parts = [cluster_sums(b[t], centroids) for b in per_rank if t < len(b)]
-        update(centroids, seen, sum(p[0] for p in parts), sum(p[1] for p in parts))
+        update(centroids, seen, reduce(np.add, (p[0] for p in parts)),
+               reduce(np.add, (p[1] for p in parts)))
     return centroids
 
 
@@ -91,9 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
             update(centroids, seen, jc.allreduce(sums), jc.allreduce(counts))
     # Ranks that ran out of batches early hold stale centroids: take those of a rank that
     # ran every iteration (outside a Join every rank is active, so no begin_iteration).
-    counts = comm.allgather(len(mine))
-    centroids = jc.bcast(centroids, root=int(np.argmax(counts)))
-    report = {"ranks": comm.size, "batches": counts, "centroids": centroids.tolist()}
+    batch_counts = comm.allgather(len(mine))
+    centroids = jc.bcast(centroids, root=int(np.argmax(batch_counts)))
+    report = {"ranks": comm.size, "batches": batch_counts, "centroids": centroids.tolist()}
     if comm.rank == 0:
         print(json.dumps(report))
     return report

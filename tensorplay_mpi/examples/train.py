@@ -3,13 +3,16 @@
 Run (``make demo`` does this at 4 ranks)::
 
     mpiexec -n 4 python -m mpi4py -m tensorplay_mpi.examples.train --epochs 30
+    srun --mpi=pmi2 python -m mpi4py -m tensorplay_mpi.examples.train --device cuda   # on GPUs
 
 A NumPy MLP classifies the scikit-learn digits (bundled with scikit-learn, no download; install
 the ``examples`` extra).  The training set is split unevenly: rank ``r`` holds a share
 proportional to ``1 + skew * r``, nothing padded, nothing dropped, so every sample is used
 exactly once per epoch and ranks run different numbers of batches.  ``DataParallel`` averages
 the gradients (overlapping the reduction with the backward pass through ``mark_ready``) inside
-a ``Join``, which lets ranks that run out of batches shadow the others.
+a ``Join``, which lets ranks that run out of batches shadow the others.  With ``--device cuda``
+the model and the batches live on a GPU (CuPy, the ``cuda`` extra), each rank taking GPU
+``node-local rank % GPUs visible``.
 """
 
 from __future__ import annotations
@@ -18,12 +21,21 @@ import argparse
 import hashlib
 import sys
 import time
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join
 from tensorplay_mpi.data import batches, shard, shard_sizes
+
+
+MISSING_SKLEARN = ("the demo needs scikit-learn for its data set (the digits, bundled with it): "
+                   "pip install 'tensorplay-mpi[examples]', or from a clone "
+                   "pip install -e '.[examples]'")
+MISSING_CUPY = ("--device cuda needs CuPy: pip install 'tensorplay-mpi[cuda]' (or the cupy-cudaXXx "
+                "wheel of your CUDA version)")
 
 
 def load_digits_split(seed: int, test_fraction: float = 0.2):
@@ -47,13 +59,33 @@ def init_mlp(n_in: int, hidden: int, n_out: int, seed: int) -> list[np.ndarray]:
     ]
 
 
-def forward(params: list[np.ndarray], x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Hidden activations and class probabilities."""
+def use_gpu(comm: MPI.Intracomm) -> ModuleType:
+    """Import CuPy and use GPU ``node-local rank % GPUs visible``; return the cupy module."""
+    try:
+        import cupy
+    except ImportError:
+        raise SystemExit(MISSING_CUPY) from None
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this node; before any Join
+    local_rank = node.Get_rank()
+    node.Free()
+    cupy.cuda.Device(local_rank % cupy.cuda.runtime.getDeviceCount()).use()
+    return cupy
+
+
+def array_module(x: Any) -> ModuleType:
+    """CuPy for CuPy arrays, else NumPy."""
+    cupy = sys.modules.get("cupy")
+    return cupy if cupy is not None and isinstance(x, cupy.ndarray) else np
+
+
+def forward(params: list[Any], x: Any) -> tuple[Any, Any]:
+    """Hidden activations and class probabilities (NumPy or CuPy arrays)."""
+    xp = array_module(x)
     w1, b1, w2, b2 = params
-    hidden = np.tanh(x @ w1 + b1)
+    hidden = xp.tanh(x @ w1 + b1)
     logits = hidden @ w2 + b2
     logits -= logits.max(axis=1, keepdims=True)
-    probs = np.exp(logits)
+    probs = xp.exp(logits)
     probs /= probs.sum(axis=1, keepdims=True)
     return hidden, probs
 
@@ -61,21 +93,23 @@ def forward(params: list[np.ndarray], x: np.ndarray) -> tuple[np.ndarray, np.nda
 def backward(params, x, y, dp: DataParallel) -> tuple[float, int]:
     """Write the batch-mean cross-entropy gradients into ``dp.grads``, last layer first,
     marking each one ready so its bucket can start reducing; return (loss sum, correct)."""
+    xp = array_module(x)
     w1, b1, w2, b2 = params
     hidden, probs = forward(params, x)
-    loss = -np.log(probs[np.arange(len(y)), y] + 1e-12).sum()
+    rows = xp.arange(len(y))
+    loss = -xp.log(probs[rows, y] + 1e-12).sum()
     correct = int((probs.argmax(axis=1) == y).sum())
     dlogits = probs
-    dlogits[np.arange(len(y)), y] -= 1.0
+    dlogits[rows, y] -= 1.0
     dlogits /= len(y)
-    np.sum(dlogits, axis=0, out=dp.grads[3])
+    xp.sum(dlogits, axis=0, out=dp.grads[3])
     dp.mark_ready(3)
-    np.matmul(hidden.T, dlogits, out=dp.grads[2])
+    xp.matmul(hidden.T, dlogits, out=dp.grads[2])
     dp.mark_ready(2)
     dhidden = (dlogits @ w2.T) * (1.0 - hidden * hidden)
-    np.sum(dhidden, axis=0, out=dp.grads[1])
+    xp.sum(dhidden, axis=0, out=dp.grads[1])
     dp.mark_ready(1)
-    np.matmul(x.T, dhidden, out=dp.grads[0])
+    xp.matmul(x.T, dhidden, out=dp.grads[0])
     dp.mark_ready(0)
     return float(loss), correct
 
@@ -87,10 +121,10 @@ def progress(epoch: int, epochs: int, text: str, width: int = 30) -> None:
     print(("\r" if sys.stdout.isatty() else "") + bar, end=end, flush=True)
 
 
-def params_digest(params: list[np.ndarray]) -> str:
+def params_digest(params: list[Any]) -> str:
     digest = hashlib.blake2b(digest_size=8)
     for p in params:
-        digest.update(p.tobytes())
+        digest.update((p if isinstance(p, np.ndarray) else p.get()).tobytes())
     return digest.hexdigest()
 
 
@@ -107,17 +141,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--min-accuracy", type=float, default=0.95,
                         help="exit 1 when the held-out accuracy is lower")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: CuPy arrays on GPU (node-local rank %% GPUs visible)")
     args = parser.parse_args(argv)
 
     comm = MPI.COMM_WORLD
-    (x_train, y_train), (x_test, y_test) = load_digits_split(args.seed)
+    try:
+        (x_train, y_train), (x_test, y_test) = load_digits_split(args.seed)
+    except ImportError:
+        raise SystemExit(MISSING_SKLEARN) from None
+    xp = use_gpu(comm) if args.device == "cuda" else np
     mine = shard(len(y_train), comm.rank, comm.size, args.skew)
-    params = init_mlp(x_train.shape[1], args.hidden, 10, args.seed)
+    params = [xp.asarray(p) for p in init_mlp(x_train.shape[1], args.hidden, 10, args.seed)]
     dp = DataParallel(params, comm=comm)
     if comm.rank == 0:
         sizes = shard_sizes(len(y_train), comm.size, args.skew)
         print(f"{comm.size} ranks, {len(y_train)} training samples split {sizes}, "
-              f"{len(y_test)} held out; averaging over the {args.divide} size")
+              f"{len(y_test)} held out; averaging over the {args.divide} size"
+              + (f"; on {dp.join_device}" if args.device == "cuda" else ""), flush=True)
 
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
@@ -126,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         with Join([dp], divide_by_initial_world_size=args.divide == "world"):
             for idx in batches(mine, args.batch_size, rng):
                 with dp.step():
-                    loss, correct = backward(params, x_train[idx], y_train[idx], dp)
+                    x, y = xp.asarray(x_train[idx]), xp.asarray(y_train[idx])
+                    loss, correct = backward(params, x, y, dp)
                 for p, g in zip(params, dp.grads):
                     p -= args.lr * g
                 totals += (loss, correct, len(idx))
@@ -136,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                                          f"train accuracy {correct / samples:.4f}")
     elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
-    accuracy = float((forward(params, x_test)[1].argmax(axis=1) == y_test).mean())
+    predicted = forward(params, xp.asarray(x_test))[1].argmax(axis=1)
+    accuracy = float((predicted == xp.asarray(y_test)).mean())
     digests = comm.allgather(params_digest(params))
     identical = len(set(digests)) == 1
     if comm.rank == 0:
@@ -144,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training time {elapsed:.2f} s for {args.epochs} epochs on {comm.size} ranks")
         print(f"parameters identical on all {comm.size} ranks: {'yes' if identical else 'NO'} "
               f"(digest {digests[0]})")
+        if accuracy < args.min_accuracy:
+            print(f"FAILED: held-out accuracy {accuracy:.4f} is below --min-accuracy "
+                  f"{args.min_accuracy}: train longer (--epochs, default 30) or lower "
+                  "--min-accuracy; exiting with status 1")
+        if not identical:
+            print("FAILED: the parameters differ between ranks; exiting with status 1")
+    sys.stdout.flush()  # an exit status 1 under python -m mpi4py aborts before Python flushes
     return 0 if identical and accuracy >= args.min_accuracy else 1
 
 

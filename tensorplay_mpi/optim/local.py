@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from ..threads import limit_threads
+
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
 
 
@@ -36,6 +38,7 @@ class Optimizer:
                 raise ValueError(f"{name} must be >= 0, got {defaults[name]!r}")
         self.defaults = defaults
         self.steps = 0
+        limit_threads()
         self.state = [{name: p * 0 for name in self.state_names} for p in self.params]
 
     def step(self) -> None:

@@ -70,7 +70,7 @@ try:
                 dp.grads[0] = np.ones(4)
     elif mode == "uncaught":
         dp = DataParallel([np.zeros(4)], comm=comm)
-        for epoch in range(2):
+        for _ in range(2):
             with Join([dp]):
                 with dp.step():
                     dp.grads[0] = np.ones(4)
@@ -88,4 +88,5 @@ try:
                 zero.step()
 except Exception as exc:
     print(f"RESULT rank={world.rank} {type(exc).__name__}: {exc}", flush=True)
+    time.sleep(0.5)  # let mpiexec forward the RESULT line before the abort ends the job
     raise

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A real one-node Slurm on this machine: start munged, slurmctld and slurmd, submit the
 # templates train.sbatch and pytest.sbatch with small sizes through `sbatch --wait`, check their
-# exit codes and output, stop what was started. Fails loudly when a step cannot run.
+# exit codes and output; check train-gpu.sbatch with `sbatch --test-only` against two GPUs
+# that the node declares (stand-in device files: this machine has none), then run it with
+# DEVICE=cpu; stop what was started. Fails loudly when a step cannot run.
 # Usage: tests/slurm/slurm-test.sh VENV   (run from the repository root, as root)
 set -euo pipefail
 venv=$(realpath "${1:?usage: slurm-test.sh VENV}")
@@ -37,8 +39,9 @@ runuser -u munge -- munged --key-file="$work/munge/munge.key" --socket="$socket"
 started+=("$work/munge/munged.pid")
 
 host=$(hostname -s)
-node=$(slurmd -C | head -n 1)
+node="$(slurmd -C | head -n 1) Gres=gpu:2"
 mkdir -p "$work/state" "$work/spool"
+printf "Name=gpu File=/dev/null\nName=gpu File=/dev/zero\n" > "$work/gres.conf"  # stand-ins
 cat > "$SLURM_CONF" <<CONF
 ClusterName=tensorplay
 SlurmctldHost=$host
@@ -52,6 +55,7 @@ JobAcctGatherType=jobacct_gather/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
+GresTypes=gpu
 ReturnToService=2
 StateSaveLocation=$work/state
 SlurmdSpoolDir=$work/spool
@@ -80,19 +84,33 @@ submit() {  # submit TEMPLATE OUTPUT [sbatch options]: sbatch --wait, then show 
   return $rc
 }
 
+# The one edit a site makes: its account and partition (here, on the command line).
+site=(--account=tensorplay --partition=debug)
 export VENV=$venv EPOCHS=30 TESTS=tests/test_join_mpi.py
-submit slurm/train.sbatch "$work/train.out" --ntasks-per-node=2 \
+submit slurm/train.sbatch "$work/train.out" "${site[@]}" --ntasks-per-node=2 \
   || fail "train.sbatch failed"
 grep -q "parameters identical on all 2 ranks: yes" "$work/train.out" \
   || fail "train.sbatch did not confirm identical parameters on 2 ranks"
-submit slurm/pytest.sbatch "$work/pytest.out" --ntasks=2 || fail "pytest.sbatch failed"
+submit slurm/pytest.sbatch "$work/pytest.out" "${site[@]}" --ntasks=2 || fail "pytest.sbatch failed"
 grep -Eq "^[0-9]+ passed" "$work/pytest.out" || fail "pytest.sbatch ran no test"
 ! grep -q "failed" "$work/pytest.out" || fail "pytest.sbatch had failures"
+# The GPU template, scaled to this node (2 tasks, a core each): Slurm accepts its GPU request
+# without running it (--test-only); then it runs, a declared GPU per task, with DEVICE=cpu.
+gpu_site=(--account=tensorplay --partition=debug)
+timeout 60 sbatch --test-only "${gpu_site[@]}" --ntasks-per-node=2 --cpus-per-task=1 \
+  slurm/train-gpu.sbatch 2>&1 | tee "$work/gpu-test-only.out"
+grep -q "to start at" "$work/gpu-test-only.out" || fail "sbatch --test-only refused train-gpu.sbatch"
+DEVICE=cpu submit slurm/train-gpu.sbatch "$work/train-gpu.out" "${gpu_site[@]}" \
+  --ntasks-per-node=2 --cpus-per-task=1 || fail "train-gpu.sbatch (DEVICE=cpu) failed"
+grep -q "parameters identical on all 2 ranks: yes" "$work/train-gpu.out" \
+  || fail "train-gpu.sbatch did not confirm identical parameters on 2 ranks"
+grep -q "BLAS/OpenMP threads: kept (OMP_NUM_THREADS=1 set by the user)" "$work/train-gpu.out" \
+  || fail "train-gpu.sbatch: info did not show the OMP_NUM_THREADS the template sets"
 # the wrong plugin starts every task as a singleton: the library must say so
 wrong=$(timeout 120 srun --mpi=none --ntasks=2 "$venv/bin/python" -m mpi4py -c \
   "import numpy; from tensorplay_mpi import DataParallel; DataParallel([numpy.zeros(2)])" 2>&1) \
   && fail "srun --mpi=none did not fail: $wrong"
 grep -q "SLURM_STEP_NUM_TASKS=2" <<<"$wrong" && grep -q "srun --mpi=pmi2" <<<"$wrong" \
   || fail "srun --mpi=none did not give the launch error: $wrong"
-echo "slurm-test: train.sbatch and pytest.sbatch passed on a real Slurm ($(sinfo -V)); the wrong"
-echo "slurm-test: --mpi plugin gave the launch error"
+echo "slurm-test: train.sbatch, pytest.sbatch and train-gpu.sbatch (--test-only, then DEVICE=cpu)"
+echo "slurm-test: passed on a real Slurm ($(sinfo -V)); the wrong --mpi plugin gave the launch error"

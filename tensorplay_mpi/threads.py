@@ -1,0 +1,126 @@
+"""BLAS and OpenMP threads: one share of the node's cores per rank, set at run time.
+
+NumPy's BLAS starts one thread per core in every rank, so ranks sharing a node oversubscribe it
+while MPI busy-polls.  At the first Join, library joinable (DataParallel, JoinableComm,
+ZeroRedundancyOptimizer) or optimizer in a process, :func:`limit_threads` limits them through
+threadpoolctl (environment variables are read too late, when the libraries load) to::
+
+    max(1, usable cores // ranks of COMM_WORLD on this node)
+
+unless the user chose: ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` or ``MKL_NUM_THREADS`` set
+keeps the libraries' own choice, ``TENSORPLAY_MPI_THREADS=keep`` too, and
+``TENSORPLAY_MPI_THREADS=N`` sets ``N`` threads.  Rank 0 says so once, on stderr, when it lowers
+the limit.  ``python -m tensorplay_mpi.info`` shows the decision.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Mapping
+
+from mpi4py import MPI
+
+from .settings import threads_setting
+
+__all__ = ["limit_threads", "decision", "choose"]
+
+USER_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+"""Set by the user, any of these keeps the libraries' thread counts."""
+
+_local_ranks: int | None = None  # ranks of COMM_WORLD on this node, once counted
+_decision: str | None = None  # what was done, once done
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask), else the machine's CPU count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def choose(environ: Mapping[str, str], cores: int,
+           local_ranks: int | None) -> tuple[int | None, str]:
+    """The thread limit (``None``: keep) and why, from the environment and the node's layout.
+
+    `local_ranks` may be ``None`` (not counted yet); the automatic limit then stays undecided,
+    returned as ``(None, "")``.
+
+    Raises
+    ------
+    ValueError
+        If ``TENSORPLAY_MPI_THREADS`` is neither ``keep`` nor a positive integer.
+    """
+    setting = threads_setting(environ.get("TENSORPLAY_MPI_THREADS"))
+    if setting == "keep":
+        return None, "kept (TENSORPLAY_MPI_THREADS=keep)"
+    if isinstance(setting, int):
+        return setting, f"{setting} per rank (TENSORPLAY_MPI_THREADS={setting})"
+    chosen = [f"{name}={environ[name]}" for name in USER_VARIABLES if name in environ]
+    if chosen:
+        return None, f"kept ({', '.join(chosen)} set by the user)"
+    if local_ranks is None:
+        return None, ""
+    limit = max(1, cores // local_ranks)
+    return limit, (f"{limit} per rank ({cores} usable cores // {local_ranks} ranks on this "
+                   "node; TENSORPLAY_MPI_THREADS=keep or =N to choose)")
+
+
+def _count_local_ranks(comm: MPI.Intracomm | None) -> int | None:
+    """Ranks of COMM_WORLD on this node, when `comm` lets every rank count them now."""
+    if MPI.COMM_WORLD.Get_size() == 1:
+        return 1
+    if comm is None or MPI.Comm.Compare(comm, MPI.COMM_WORLD) == MPI.UNEQUAL:
+        return None
+    # Split_type is blocking and collective over `comm`.  It runs only where every rank of
+    # COMM_WORLD is in a collective call over `comm` (a joinable's constructor, Join.__enter__),
+    # at the first such call, which is the same one on every rank: so it takes the same place in
+    # every rank's sequence of collectives on `comm` and cannot meet a nonblocking one.  There
+    # is no nonblocking MPI_Comm_split_type, and a hash of the processor name would only guess
+    # which ranks share memory.
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size()
+    finally:
+        node.Free()
+
+
+def limit_threads(comm: MPI.Intracomm | None = None) -> None:
+    """Limit the BLAS/OpenMP threads of this process once (see the module docstring).
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm, optional
+        A communicator every rank of which calls this now (collectively).  When its group is
+        COMM_WORLD's, the ranks on this node are counted over it, once per process; otherwise
+        (``None``: not a collective call) the automatic limit waits for such a call.
+
+    Raises
+    ------
+    ValueError
+        If ``TENSORPLAY_MPI_THREADS`` is neither ``keep`` nor a positive integer.
+    """
+    global _local_ranks, _decision
+    if _local_ranks is None:
+        _local_ranks = _count_local_ranks(comm)
+    if _decision is not None:
+        return
+    cores = usable_cores()
+    limit, why = choose(os.environ, cores, _local_ranks)
+    if not why:
+        return
+    _decision = why
+    if limit is None:
+        return
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=limit)
+    asked = "TENSORPLAY_MPI_THREADS" in os.environ
+    if limit < cores and not asked and MPI.COMM_WORLD.Get_rank() == 0:
+        print(f"tensorplay_mpi: BLAS/OpenMP threads limited to {why}", file=sys.stderr,
+              flush=True)
+
+
+def decision() -> str:
+    """What :func:`limit_threads` did in this process, or that it has not run yet."""
+    return _decision or "not decided yet (no Join, joinable or optimizer made)"

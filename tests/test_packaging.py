@@ -1,0 +1,46 @@
+"""What a user or a site checks first: the wheel's contents and metadata, licence, changelog."""
+
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import tensorplay_mpi
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_wheel_ships_py_typed_the_licence_and_its_dependencies(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                             str(tmp_path), str(ROOT)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    (wheel,) = tmp_path.glob("tensorplay_mpi-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        meta = archive.read(metadata).decode()
+    assert "tensorplay_mpi/py.typed" in names
+    assert any(n.endswith("licenses/LICENSE") for n in names), names
+    assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
+    assert f"Version: {tensorplay_mpi.__version__}" in meta
+    assert "License-Expression: BSD-3-Clause" in meta
+    for requirement in ("mpi4py>=4", "numpy", "threadpoolctl>=3"):
+        assert f"Requires-Dist: {requirement}" in meta, meta
+    assert "Requires-Dist: scikit-learn; extra == \"examples\"" in meta
+
+
+def test_the_licence_is_bsd_3_clause():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("BSD 3-Clause License")
+    assert "Neither the name of the copyright holder" in text
+
+
+def test_the_changelog_keeps_a_changelog_with_this_version():
+    text = (ROOT / "CHANGELOG.md").read_text()
+    assert "https://keepachangelog.com/" in text
+    versions = re.findall(r"^## \[([^\]]+)\]", text, re.M)
+    assert versions[0] == "Unreleased" and tensorplay_mpi.__version__ in versions
+    sections = set(re.findall(r"^### (\w+)", text, re.M))
+    assert sections <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}
