@@ -35,10 +35,12 @@ def rank_batches(inputs, rank, batch=8):
 
 
 def train(comm, data, inputs, lr=0.1, divide_by_initial_world_size=True, sync_every=1,
-          overlap=False, bucket_cap_mb=25.0, dtypes=(np.float64, np.float64), device=None):
+          overlap=False, bucket_cap_mb=25.0, dtypes=(np.float64, np.float64), device=None,
+          before_join=None):
     """The distributed run on this rank; returns (params, dp).
 
-    `device` (optional) moves arrays to a device: the params and the data.
+    `device` (optional) moves arrays to a device: the params and the data; `before_join`
+    (optional) is called with `dp` before the Join is made.
     """
     x, y = data if device is None else (device(data[0]), device(data[1]))
     params = initial_params(dtypes)
@@ -47,6 +49,8 @@ def train(comm, data, inputs, lr=0.1, divide_by_initial_world_size=True, sync_ev
     params[0] += comm.rank  # the constructor broadcast from rank 0 must repair this
     dp = DataParallel(params, comm=comm, bucket_cap_mb=bucket_cap_mb)
     batches = rank_batches(inputs, comm.rank)
+    if before_join is not None:
+        before_join(dp)
     with Join([dp], divide_by_initial_world_size=divide_by_initial_world_size):
         for t, idx in enumerate(batches):
             syncs = (t + 1) % sync_every == 0
