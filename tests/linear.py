@@ -9,7 +9,7 @@ from tensorplay_mpi import DataParallel, Join
 IN, OUT = 5, 3
 
 
-def make_problem(seed=0, samples=240, dtype=np.float64):
+def make_problem(seed=0, samples=640, dtype=np.float64):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(samples, IN)).astype(dtype)
     y = (x @ rng.normal(size=(IN, OUT)) + 0.1 * rng.normal(size=(samples, OUT))).astype(dtype)
