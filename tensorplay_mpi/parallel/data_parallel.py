@@ -349,7 +349,8 @@ class DataParallel(CommJoinable):
             self._exchange_control(step, None)
         else:
             step.root, step.divisor = self.size - 1, self.size
-        self._broadcast(self.buffers, step.root, "buffer broadcast")
+        if self.buffers:
+            self._broadcast(self.buffers, step.root, "buffer broadcast")
 
     def _exchange_control(self, step: _Step, divide_by_world: bool | None) -> None:
         """The step control; `divide_by_world` is a joined rank's Join option, None if active."""
