@@ -28,8 +28,9 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import DataParallel, Join, guard
+from tensorplay_mpi import DataParallel, Join
 from tensorplay_mpi.parallel import data_parallel
+from tensorplay_mpi.settings import settings
 
 TARGETS = {"join": 1.01, "reduce": 1.10, "reduce_vs_manual": 1.10, "overlap": 0.9,
            "shadow": 1.1, "debug": None}
@@ -123,11 +124,14 @@ def bench_size(comm: MPI.Intracomm, total: int, steps: int, repeats: int,
 
 def debug_mode(on: bool, fn) -> None:
     """Run `fn` with TENSORPLAY_MPI_DEBUG's signature checks switched `on`."""
-    previous, guard.DEBUG = guard.DEBUG, on
+    previous = os.environ.get("TENSORPLAY_MPI_DEBUG", "0")
+    os.environ["TENSORPLAY_MPI_DEBUG"] = "1" if on else "0"
+    settings.cache_clear()
     try:
         fn()
     finally:
-        guard.DEBUG = previous
+        os.environ["TENSORPLAY_MPI_DEBUG"] = previous
+        settings.cache_clear()
 
 
 def shadow_ratio(comm, dp: DataParallel, steps: int, repeats: int, reduce_only, refill) -> dict:

@@ -1,13 +1,16 @@
 """Arrays and devices: where a buffer lives, stream safety, CUDA-awareness and host staging.
 
-NumPy arrays go to MPI as they are.  A device array (CuPy, or anything exposing
-``__cuda_array_interface__`` or a CUDA DLPack device) is first synchronised with the stream
-that produced it (mpi4py never does it; a missing sync is a silent data race), then:
+NumPy arrays go to MPI as they are.  A device array (recognised by
+``__cuda_array_interface__`` or a CUDA DLPack device: CuPy's, in practice) is first synchronised
+with the stream that produced it (mpi4py never does it; a missing sync is a silent data race),
+then:
 
-- when MPI is CUDA-aware, its device pointer goes straight to MPI;
-- otherwise it is staged: copied into a host buffer made once per device buffer (pinned when
-  CuPy is there), MPI runs on host memory, and buffers MPI wrote are copied back to the device
-  when the operation completes (at wait), so nonblocking semantics are kept.
+- when MPI is CUDA-aware, its device pointer goes straight to MPI (any such array works);
+- otherwise it is staged through CuPy's ``get(out=)`` and ``set()``: copied into a host buffer
+  that belongs to that one operation (pinned, from CuPy's pinned-memory pool), MPI runs on host
+  memory, and buffers MPI wrote are copied back to the device when the operation completes (at
+  wait), so nonblocking semantics are kept.  A device array without those two methods raises
+  ``TypeError`` on this path.
 
 CuPy is never imported here: it is looked up in ``sys.modules``.
 """
@@ -18,11 +21,13 @@ import ctypes
 import os
 import re
 import sys
-import weakref
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+
+from .settings import settings
 
 __all__ = ["check_device", "device_of", "is_device_array", "zeros_like", "cuda_aware", "Staging"]
 
@@ -96,9 +101,7 @@ def _synchronize_stream(stream: int) -> None:
 
 # -- CUDA-awareness ----------------------------------------------------------------------------
 
-_decision: tuple[bool, str] | None = None
-
-
+@lru_cache(maxsize=1)
 def cuda_aware() -> tuple[bool, str]:
     """Whether device pointers may go to MPI, and why; decided once per process.
 
@@ -106,27 +109,18 @@ def cuda_aware() -> tuple[bool, str]:
     only when the MPI library itself reports CUDA support (MPI 4.1 ``mpi_memory_alloc_kinds``
     containing ``cuda``, or MPICH's ``MPIX_GPU_query_support`` / Open MPI's
     ``MPIX_Query_cuda_support`` returning 1).  Never from environment guesses: a wrong yes
-    segfaults.
+    segfaults.  (``cuda_aware.cache_clear()`` makes the next call decide again.)
 
     Raises
     ------
     ValueError
         If the variable is set to anything else.
     """
-    global _decision
-    if _decision is None:
-        _decision = _decide()
-    return _decision
-
-
-def _decide() -> tuple[bool, str]:
-    setting = os.environ.get("TENSORPLAY_MPI_CUDA_AWARE", "auto").strip().lower()
+    setting = settings().cuda_aware
     if setting == "1":
         return True, "forced by TENSORPLAY_MPI_CUDA_AWARE=1"
     if setting == "0":
         return False, "forced by TENSORPLAY_MPI_CUDA_AWARE=0 (device buffers are staged)"
-    if setting != "auto":
-        raise ValueError(f"TENSORPLAY_MPI_CUDA_AWARE must be auto, 0 or 1, got {setting!r}")
     kinds = _memory_alloc_kinds()
     if "cuda" in kinds:
         return True, f"the MPI library reports mpi_memory_alloc_kinds={kinds}"
@@ -177,35 +171,34 @@ def _loaded_libmpi() -> list[str]:
 
 # -- staging -------------------------------------------------------------------------------------
 
-_host_buffers: dict[int, np.ndarray] = {}  # id(device buffer) -> its host buffer, made once
-
-
 def _host_buffer(array: Any) -> np.ndarray:
-    host = _host_buffers.get(id(array))
-    if host is None or host.nbytes != array.nbytes:
-        empty = np.empty
-        if "cupy" in sys.modules:  # pinned memory: faster copies, and asynchronous ones
-            import cupyx
+    """A host buffer for one operation on `array` (pinned when CuPy is there)."""
+    if not (callable(getattr(array, "get", None)) and callable(getattr(array, "set", None))):
+        raise TypeError(f"staging a device array through host memory needs CuPy's get()/set(); "
+                        f"a {type(array).__name__} has not both: use cupy.asarray, or a "
+                        "CUDA-aware MPI (TENSORPLAY_MPI_CUDA_AWARE=1)")
+    if "cupy" in sys.modules:  # pinned memory: faster copies; CuPy pools it
+        import cupyx
 
-            empty = cupyx.empty_pinned
-        host = _host_buffers[id(array)] = empty(array.shape, dtype=array.dtype)
-        weakref.finalize(array, _host_buffers.pop, id(array), None)
-    return host
+        return cupyx.empty_pinned(array.shape, dtype=array.dtype)
+    return np.empty(array.shape, dtype=array.dtype)
 
 
 class Staging:
     """How one MPI operation sees its buffers: device pointers, or host copies.
 
+    The operation's Work keeps it, and with it the host buffers, until the operation completes.
     ``read(buf)`` for a buffer MPI reads, ``write(buf)`` for one it writes, ``update(buf)``
     for one it reads and writes (``IN_PLACE``); each returns what to give MPI.  ``finish()``
     copies written buffers back to the device; call it when the operation has completed.
     """
 
-    __slots__ = ("_copy_back", "_synced")
+    __slots__ = ("_copy_back", "_synced", "_hosts")
 
     def __init__(self) -> None:
         self._copy_back: list[tuple[Any, np.ndarray]] = []
         self._synced = False
+        self._hosts: list[np.ndarray] = []  # this operation's host buffers, alive until done
 
     def read(self, buf: Any) -> Any:
         return self._stage(buf, copy_in=True, copy_back=False)
@@ -225,6 +218,7 @@ class Staging:
         if cuda_aware()[0]:
             return buf
         host = _host_buffer(buf)
+        self._hosts.append(host)
         if copy_in:
             buf.get(out=host)
         if copy_back:

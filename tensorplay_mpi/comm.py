@@ -1,28 +1,28 @@
-"""The single start-then-wait path of every library collective.
+"""The collective wrappers: the single start-then-wait path of every library collective.
 
 MPI matches collectives per communicator in start order, and a blocking collective never matches
 a nonblocking one.  Every collective that tensorplay_mpi issues, and every shadow a join hook
-issues, therefore starts a nonblocking operation here and completes it through :class:`Work`.
-Custom joinables should use these functions too (never ``comm.Allreduce`` and friends), so that
-a joined rank's shadow always matches what an active rank issued.
+issues, therefore starts a nonblocking operation here and completes it through a
+:class:`~tensorplay_mpi.work.Work`.  Custom joinables should use these functions too (never
+``comm.Allreduce`` and friends), so that a joined rank's shadow always matches what an active
+rank issued.
 
-Every wait has a deadline and polls, on a guarded communicator (one used by a Join, a
-DataParallel or a ZeroRedundancyOptimizer), for failure notices of other ranks; see
-:mod:`tensorplay_mpi.guard`.
+On a guarded communicator (one used by a Join or a library joinable) each start asks the
+:class:`~tensorplay_mpi.guard.Guard` first (a broken communicator refuses; debug mode checks
+signatures), and each wait polls it for failure notices of other ranks.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import time
-import traceback
 from typing import Any, Callable
 
 from mpi4py import MPI
 
 from .buffers import Staging
-from .errors import CollectiveTimeoutError
+from .guard import Guard
+from .ops import OPS, op_name
+from .settings import positive_seconds, settings
+from .work import Work, outstanding_requests, progress_pending
 
 __all__ = [
     "Work",
@@ -41,22 +41,7 @@ __all__ = [
     "op_name",
 ]
 
-_outstanding = 0  # started and not yet completed Works, process-wide (tests check it is 0)
-
-# A wait spins on MPI_Test while data may be moving (a nonblocking collective progresses only
-# inside MPI calls): 1 ms plus 4 ms per MB of its buffers.  Then it sleeps between
-# tests, 10 us doubling up to 250 us, so that a rank waiting for slower peers leaves the core to
-# them on an oversubscribed node, at a cost of at most 250 us of latency.  While spinning it
-# yields the core after every test, which costs nothing when no other process wants it.
-_SPIN_S = 1e-3
-_SPIN_BYTES_PER_S = 2.5e8
-_MIN_SLEEP_S = 1e-5
-_MAX_SLEEP_S = 2.5e-4
-_POLL_EVERY = 64  # tests between two looks for failure notices while spinning
-_REPORT_GRACE_S = 0.5  # between printing a timeout report and aborting
-
-GUARD_KEYVAL = MPI.Comm.Create_keyval(delete_fn=lambda comm, keyval, guard: guard.free())
-"""Attribute key of a communicator's :class:`~tensorplay_mpi.guard.Guard`."""
+_PROGRESS_AT = 32  # pending operations from which a start first tests them all
 
 
 def default_timeout() -> float:
@@ -67,187 +52,18 @@ def default_timeout() -> float:
     ValueError
         If the variable is set to something that is not a positive number.
     """
-    text = os.environ.get("TENSORPLAY_MPI_TIMEOUT", "1800")
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"TENSORPLAY_MPI_TIMEOUT must be a positive number of seconds, "
-                         f"got {text!r}")
-    return value
+    return settings().timeout
 
 
 def resolve_timeout(timeout: float | None) -> float:
-    """`timeout` checked to be positive, or :func:`default_timeout` for ``None``."""
-    if timeout is None:
-        return default_timeout()
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return float(timeout)
+    """`timeout` checked to be a positive, finite number, or :func:`default_timeout` for None.
 
-
-class Work:
-    """Handle of one started nonblocking operation.
-
-    The handle owns the MPI request and keeps the buffers of the operation alive until it
-    completes (MPI forbids freeing or reusing them earlier).
-
-    Parameters
-    ----------
-    request : mpi4py.MPI.Request
-        The started operation.
-    what : str
-        What the operation is, for error messages (``"heartbeat (iteration 3)"``, ...).
-    keep : tuple
-        Objects to keep alive until completion (the send and receive buffers).
-    finish : callable, optional
-        Called once on completion; its return value is :meth:`result`.
-    guard : tensorplay_mpi.guard.Guard, optional
-        The guard of the operation's communicator, polled for failure notices while waiting.
+    Raises
+    ------
+    TypeError, ValueError
+        If `timeout` is not a number, or not positive and finite.
     """
-
-    __slots__ = ("_request", "_what", "_keep", "_finish", "_result", "_done", "_guard")
-
-    def __init__(self, request: MPI.Request, what: str, keep: tuple = (),
-                 finish: Callable[[], Any] | None = None, guard: Any = None) -> None:
-        global _outstanding
-        self._request = request
-        self._what = what
-        self._keep = keep
-        self._finish = finish
-        self._result: Any = None
-        self._done = False
-        self._guard = guard
-        _outstanding += 1
-
-    def __repr__(self) -> str:
-        state = "completed" if self._done else "pending"
-        return f"<Work {self._what} {state}>"
-
-    @property
-    def what(self) -> str:
-        """What the operation is."""
-        return self._what
-
-    def is_completed(self) -> bool:
-        """Test for completion without blocking (this also drives MPI progress)."""
-        if not self._done and self._request.Test():
-            self._complete()
-        return self._done
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the operation completes.
-
-        Parameters
-        ----------
-        timeout : float, optional
-            Seconds to wait at most, after which :class:`TimeoutError` is raised and the
-            operation stays pending and owned by this handle (wait again later).  ``None``
-            waits up to the library deadline (``$TENSORPLAY_MPI_TIMEOUT``, 1800 s), after
-            which :class:`~tensorplay_mpi.errors.CollectiveTimeoutError` is reported and the
-            communicator aborted.
-
-        Returns
-        -------
-        bool
-            Always ``True`` (as ``mpi4py.MPI.Request.Wait`` and PyTorch's ``Work.wait``).
-
-        Raises
-        ------
-        TimeoutError
-            If an explicit `timeout` expired.
-        tensorplay_mpi.errors.PeerFailureError
-            If another rank failed while this one waited (guarded communicators).
-        """
-        if timeout is None:
-            return self.wait_or_abort(default_timeout())
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
-        waited = self._wait_until(timeout)
-        if waited is not None:
-            raise TimeoutError(f"rank {MPI.COMM_WORLD.Get_rank()}: {self._what} did not "
-                               f"complete within {timeout:g} s")
-        return True
-
-    def wait_or_abort(self, timeout: float, poll: bool = True) -> bool:
-        """Wait at most `timeout` s; then report a CollectiveTimeoutError and abort.
-
-        This is the one wait of every library collective.  A half-matched communicator
-        cannot be reused, so a collective that does not complete in time ends the job.
-        `poll` False skips failure notices (the failure protocol's own waits).
-        """
-        waited = self._wait_until(timeout, poll)
-        if waited is not None:
-            error = CollectiveTimeoutError(
-                f"rank {MPI.COMM_WORLD.Get_rank()}: {self._what} did not complete after "
-                f"{waited:.1f} s (timeout {timeout:g} s); aborting the job")
-            _report_and_abort(error)
-        return True
-
-    def _wait_until(self, timeout: float, poll: bool = True) -> float | None:
-        """Test until completion (None) or until `timeout` passes (the seconds waited)."""
-        if self.is_completed():
-            return None
-        guard = self._guard if poll else None
-        start = time.monotonic()
-        spin = _SPIN_S + sum(getattr(b, "nbytes", 0) for b in self._keep) / _SPIN_BYTES_PER_S
-        sleep, tests = _MIN_SLEEP_S, 0
-        while not self.is_completed():
-            tests += 1
-            waited = time.monotonic() - start
-            if waited >= timeout:
-                return waited
-            if waited < spin:
-                if guard is not None and tests % _POLL_EVERY == 0:
-                    guard.poll(self._what, start)
-                os.sched_yield()  # lets a peer sharing this core run (as MPICH's Wait does)
-                continue
-            if guard is not None:
-                guard.poll(self._what, start)
-            time.sleep(min(sleep, timeout - waited))
-            sleep = min(2 * sleep, _MAX_SLEEP_S)
-        return None
-
-    def result(self) -> Any:
-        """The operation's result; only after completion (:meth:`wait` first).
-
-        Raises
-        ------
-        RuntimeError
-            If the operation has not completed yet.
-        """
-        if not self.is_completed():
-            raise RuntimeError(f"{self._what} has not completed yet; call wait() before result()")
-        return self._result
-
-    def _complete(self) -> None:
-        global _outstanding
-        self._done = True
-        _outstanding -= 1
-        if self._finish is not None:
-            self._result = self._finish()
-        self._keep = self._finish = None
-
-
-def _report_and_abort(error: BaseException) -> None:
-    """Print `error` with the stack that led to it, then abort the job.
-
-    Always ``COMM_WORLD``: with MPICH's hydra, ``MPI_Abort`` on a duplicate communicator left
-    the other ranks running until an outer timeout in 2 runs of 8 here; on ``COMM_WORLD`` it
-    ended the job every time.  Without the pause before it, hydra dropped the report of
-    every rank in 3 runs of 20.
-    """
-    stack = "".join(traceback.format_stack()[:-2])
-    sys.stderr.write(f"{stack}{type(error).__module__}.{type(error).__name__}: {error}\n")
-    sys.stderr.flush()
-    time.sleep(_REPORT_GRACE_S)  # the launcher forwards the report before the abort kills it
-    MPI.COMM_WORLD.Abort(1)
-
-
-def outstanding_requests() -> int:
-    """Number of Works started in this process that have not completed yet."""
-    return _outstanding
+    return default_timeout() if timeout is None else positive_seconds(timeout, "timeout")
 
 
 def default_comm() -> MPI.Intracomm:
@@ -272,11 +88,19 @@ def check_comm(comm: Any, name: str = "comm") -> MPI.Intracomm:
     return comm
 
 
+def _check_buffer(buf: Any, name: str, what: str) -> None:
+    if buf is not MPI.IN_PLACE and not hasattr(buf, "__array_interface__") \
+            and not hasattr(buf, "__cuda_array_interface__") and not isinstance(buf, memoryview):
+        raise TypeError(f"{what}: {name} must be an array (NumPy or CuPy), got "
+                        f"{type(buf).__name__}; convert it with numpy.asarray")
+
+
 def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Request],
            args: tuple, keep: tuple, result: Callable[[], Any] | None, staging: Staging,
            signature: Callable[[], str] | None = None) -> Work:
     """The one place where every library operation starts."""
-    guard = comm.Get_attr(GUARD_KEYVAL)
+    progress_pending(_PROGRESS_AT)
+    guard = Guard.of(comm)
     if guard is not None:
         guard.before_collective(kind, what, signature)
     finish = result
@@ -285,17 +109,7 @@ def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Reques
             staging.finish()
             return result() if result is not None else None
 
-    # host copies of staged buffers live as long as their device buffer, which `keep` holds
-    return Work(start(*args), what, keep, finish, guard)
-
-
-OPS = ("SUM", "PROD", "MAX", "MIN", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR")
-"""The predefined reductions by name (what signatures and announcements can describe)."""
-
-
-def op_name(op: MPI.Op) -> str | None:
-    """The name of a predefined reduction from :data:`OPS`, else ``None``."""
-    return next((name for name in OPS if op == getattr(MPI, name)), None)
+    return Work(start(*args), what, keep + (staging,), finish, guard)
 
 
 def _describe(buf: Any) -> str:
@@ -318,6 +132,8 @@ def iallreduce(
 
     Collective over `comm`: every rank must call it.  `sendbuf` may be ``MPI.IN_PLACE``.
     """
+    _check_buffer(sendbuf, "sendbuf", what)
+    _check_buffer(recvbuf, "recvbuf", what)
     staging = Staging()
     if sendbuf is MPI.IN_PLACE:
         args = (sendbuf, staging.update(recvbuf), op)
@@ -334,6 +150,7 @@ def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Wor
 
     Collective over `comm`: every rank must call it.
     """
+    _check_buffer(buf, "buf", what)
     staging = Staging()
     mpi_buf = staging.read(buf) if comm.Get_rank() == root else staging.write(buf)
     return _start(comm, what, "bcast", comm.Ibcast, (mpi_buf, root), (buf,), lambda: buf,
@@ -345,6 +162,8 @@ def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "all
 
     Collective over `comm`: every rank must call it.
     """
+    _check_buffer(sendbuf, "sendbuf", what)
+    _check_buffer(recvbuf, "recvbuf", what)
     staging = Staging()
     args = (staging.read(sendbuf), staging.write(recvbuf))
     return _start(comm, what, "allgather", comm.Iallgather, args, (sendbuf, recvbuf),
@@ -357,6 +176,8 @@ def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[in
 
     Collective over `comm`: every rank must call it with the same `counts`.
     """
+    _check_buffer(sendbuf, "sendbuf", what)
+    _check_buffer(recvbuf, "recvbuf", what)
     staging = Staging()
     args = (staging.read(sendbuf), [staging.write(recvbuf), counts])
     return _start(comm, what, "allgather", comm.Iallgatherv, args, (sendbuf, recvbuf),

@@ -1,18 +1,21 @@
-"""The guard of a communicator: failure notices and agreement, debug checks, launch check.
+"""The guard of a communicator: failure notices, the failure agreement, debug checks.
 
 A Guard is attached (as an MPI attribute, freed with the communicator) to every communicator
-that a Join, a DataParallel or a ZeroRedundancyOptimizer uses.  It owns two private duplicates:
+that a Join or a library joinable uses; the collective wrappers of :mod:`tensorplay_mpi.comm`
+look it up there and hand it to each :class:`~tensorplay_mpi.work.Work` they start, which polls
+it while waiting.  It owns two private duplicates:
 
 ``notices``
     A rank that leaves a Join or a step through an exception sends a notice (its rank, whether
     the failure is its own, the exception's type and message) to every other rank.  Every
-    library wait on the guarded communicator looks for notices and raises
-    :class:`~tensorplay_mpi.errors.PeerFailureError`, which sends notices in turn.  Each failing
-    rank then joins the failure agreement, ``Iallreduce([own failure], SUM)`` on ``notices``,
-    and receives the notices of all other ranks.  When every rank failed on its own (one bug
-    on all ranks) the communicator is intact: pending requests are completed and each rank's
-    exception propagates unchanged.  Otherwise it is broken: the exceptions propagate (with
-    ``python -m mpi4py`` the job aborts) and later library collectives on it raise at once.
+    library wait on the guarded communicator looks for notices; after a short grace it settles
+    the failure and raises :class:`~tensorplay_mpi.errors.PeerFailureError`.  Settling is the
+    failure agreement, ``Iallreduce([not own, progress], MAX)`` on ``notices``, bounded by
+    ``$TENSORPLAY_MPI_GRACE`` (10 s): when every rank failed on its own (one bug on all ranks)
+    the communicator is intact, pending requests are completed and each rank's exception
+    propagates unchanged.  Otherwise, or when some rank does not come to agree in time, it is
+    broken: the exceptions propagate (with ``python -m mpi4py`` the job aborts) and later
+    library collectives on it raise at once.
 ``checks``
     With ``TENSORPLAY_MPI_DEBUG=1``, before every library collective the ranks allgather its
     signature (kind, count, dtype, op, root) and raise
@@ -21,53 +24,36 @@ that a Join, a DataParallel or a ZeroRedundancyOptimizer uses.  It owns two priv
 
 from __future__ import annotations
 
-import os
+import pickle
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
-from .comm import GUARD_KEYVAL, Work, default_timeout
 from .errors import CollectiveMismatchError, PeerFailureError
+from .launch import check_launch, install_excepthook, launch_problem
+from .settings import settings
+from .work import Work
 
-__all__ = ["Guard", "check_launch", "DEBUG"]
+__all__ = ["Guard", "Verdict", "check_launch", "launch_problem", "NOTICE_GRACE_S"]
 
-DEBUG = os.environ.get("TENSORPLAY_MPI_DEBUG", "0") == "1"
-"""Collective signature checks before every library collective (``TENSORPLAY_MPI_DEBUG=1``)."""
-
-GRACE_S = 0.25
+NOTICE_GRACE_S = 0.25
 """Seconds a wait goes on after a failure notice before it raises PeerFailureError."""
 
 _NOTICE_TAG = 0x7E11
 _SIGNATURE_BYTES = 96  # per part: the signature compared, and what it is for (shown)
-_LAUNCH_VARIABLES = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 _COLLECTIVES = ("allreduce", "bcast", "allgather")
+_KEYVAL = MPI.Comm.Create_keyval(delete_fn=lambda comm, keyval, guard: guard.free())
 
 
-def check_launch() -> None:
-    """Raise if the launcher started several tasks but each one is a singleton MPI job.
+class Verdict(NamedTuple):
+    """The outcome of a failure agreement (:meth:`Guard.settle`)."""
 
-    That is what a wrong ``srun --mpi`` plugin (or an mpiexec from another MPI) does.
-
-    Raises
-    ------
-    RuntimeError
-        Naming the variable that counts the tasks and the plugins to use.
-    """
-    if MPI.COMM_WORLD.Get_size() > 1:
-        return
-    for name in _LAUNCH_VARIABLES:
-        value = os.environ.get(name, "")
-        if value.isdigit() and int(value) > 1:
-            raise RuntimeError(
-                f"MPI.COMM_WORLD has 1 rank but {name}={value}: every task started as a "
-                "singleton MPI job, so the launcher does not speak this MPI library's process "
-                "manager interface. Under Slurm use srun --mpi=pmi2 (MPICH, Intel MPI, MVAPICH) "
-                "or srun --mpi=pmix (Open MPI); 'srun --mpi=list' shows the plugins. With "
-                "mpiexec, use the one of the MPI library that mpi4py loads "
-                "(python -m tensorplay_mpi.info)."
-            )
+    intact: bool
+    """True iff every rank failed on its own: the communicator is usable."""
+    progress: int
+    """The highest `progress` any rank reported (meaningful when intact)."""
 
 
 def _idup(comm: MPI.Intracomm) -> MPI.Intracomm:
@@ -85,7 +71,13 @@ class Guard:
         self.checks = _idup(comm)
         self.received: list[tuple] = []  # notices of the failure being settled
         self._first_notice: float | None = None
+        self._settled: tuple[BaseException, Verdict] | None = None  # the latest settle
         self.broken: str | None = None
+
+    @staticmethod
+    def of(comm: MPI.Comm) -> "Guard | None":
+        """The guard attached to `comm`, if any."""
+        return comm.Get_attr(_KEYVAL)
 
     @classmethod
     def attach(cls, comm: MPI.Intracomm) -> "Guard":
@@ -93,11 +85,12 @@ class Guard:
 
         Collective over `comm` the first time: every rank must call it.
         """
-        guard = comm.Get_attr(GUARD_KEYVAL)
+        guard = cls.of(comm)
         if guard is None:
             check_launch()
+            install_excepthook()
             guard = cls(comm)
-            comm.Set_attr(GUARD_KEYVAL, guard)
+            comm.Set_attr(_KEYVAL, guard)
         return guard
 
     def free(self) -> None:
@@ -114,7 +107,7 @@ class Guard:
         if self.broken is not None:
             raise RuntimeError(f"rank {self.rank}: cannot start {what}: the communicator is "
                                f"unusable after {self.broken}; end the job")
-        if DEBUG and kind in _COLLECTIVES and signature is not None:
+        if settings().debug and kind in _COLLECTIVES and signature is not None:
             self._check_signatures(signature(), what)
 
     def _check_signatures(self, signature: str, what: str) -> None:
@@ -124,7 +117,7 @@ class Guard:
             mine[row, :len(data)] = np.frombuffer(data, np.uint8)
         every = np.empty((self.size, 2, _SIGNATURE_BYTES), np.uint8)
         Work(self.checks.Iallgather(mine, every), f"signature check before {what}",
-             (mine, every), None, self).wait_or_abort(default_timeout())
+             (mine, every), None, self).wait_or_abort(settings().timeout)
         if (every[:, 0] != every[0, 0]).any():
             rows = [f"  rank {r}: {_text(every[r, 0])}  [{_text(every[r, 1])}]"
                     for r in range(self.size)]
@@ -133,65 +126,98 @@ class Guard:
                 + "\n".join(rows))
 
     def poll(self, what: str, since: float) -> None:
-        """Raise PeerFailureError once another rank's failure notice is older than the grace.
+        """Settle and raise PeerFailureError once another rank's failure notice is older than
+        the grace.
 
-        The grace (:data:`GRACE_S`, counted from the notice or from `since`, the start of the
+        The grace (:data:`NOTICE_GRACE_S`, counted from the notice or from `since`, the start of the
         current wait, whichever is later) lets an operation that the failed rank had already
         started complete: when every rank fails at the same point after a collective, each
         rank then raises its own exception, not a PeerFailureError, and the communicator stays
         usable.
         """
-        status = MPI.Status()
-        while self.notices.Iprobe(MPI.ANY_SOURCE, _NOTICE_TAG, status):
-            self.received.append(self.notices.recv(source=status.Get_source(), tag=_NOTICE_TAG))
+        while self._receive_notice():
             if self._first_notice is None:
                 self._first_notice = time.monotonic()
-        if self.received and time.monotonic() - max(self._first_notice, since) > GRACE_S:
+        if self.received and time.monotonic() - max(self._first_notice, since) > NOTICE_GRACE_S:
             rank, _, kind, message = self.received[0]
-            raise PeerFailureError(f"rank {self.rank}: rank {rank} failed with {kind}: "
-                                   f"{message} (while this rank waited for {what})")
+            error = PeerFailureError(f"rank {self.rank}: rank {rank} failed with {kind}: "
+                                     f"{message} (while this rank waited for {what})")
+            self.settle(error)  # a PeerFailureError leaves every library call settled
+            raise error
 
     # -- the failure path ------------------------------------------------------------------------
 
-    def settle(self, error: BaseException, timeout: float) -> bool:
+    def settle(self, error: BaseException, progress: int = 0) -> Verdict:
         """Tell every rank about `error`, agree, and say whether the communicator is intact.
 
-        Called by every rank that leaves a Join or a step through an exception; the verdict is
-        remembered on the exception, so an exception that leaves a step and then its Join is
-        settled once.
+        Called by every rank that leaves a Join or a step through an exception, and by a wait
+        that raises PeerFailureError.  Settling the same exception again returns the same
+        verdict, so an exception that leaves a step and then its Join is settled once.  The
+        agreement waits for the other ranks at most ``$TENSORPLAY_MPI_GRACE`` seconds; a rank
+        whose peers do not come (they are busy outside the library, or gone) marks the
+        communicator broken and lets its own exception propagate.
+
+        Parameters
+        ----------
+        error : BaseException
+            The exception this rank leaves with.
+        progress : int, default 0
+            A count the caller needs agreed (how many of its operations it started).
 
         Returns
         -------
-        bool
-            True iff every rank failed on its own: pending requests can be completed.
+        Verdict
+            ``intact`` iff every rank failed on its own; ``progress``, the highest over ranks.
         """
-        verdict = getattr(error, "_tensorplay_mpi_intact", None)
-        if verdict is not None:
-            return verdict
+        if self._settled is not None and self._settled[0] is error:
+            return self._settled[1]
+        if self.broken is not None:
+            verdict = Verdict(False, progress)
+        else:
+            verdict = self._agree(error, progress)
+        self._settled = (error, verdict)
+        return verdict
+
+    def _agree(self, error: BaseException, progress: int) -> Verdict:
+        grace = settings().grace
+        deadline = time.monotonic() + grace
         own = not isinstance(error, PeerFailureError)
         notice = (self.rank, own, type(error).__name__, str(error))
-        sends = [self.notices.isend(notice, dest=r, tag=_NOTICE_TAG)
-                 for r in range(self.size) if r != self.rank]
-        count = np.array([int(own)], np.int64)
-        Work(self.notices.Iallreduce(MPI.IN_PLACE, count, MPI.SUM), "failure agreement",
-             (count,)).wait_or_abort(timeout, poll=False)
-        while len(self.received) < self.size - 1:  # all were sent before the agreement ended
-            self.received.append(self.notices.recv(source=MPI.ANY_SOURCE, tag=_NOTICE_TAG))
-        MPI.Request.Waitall(sends)
-        intact = int(count[0]) == self.size
+        payload = np.frombuffer(pickle.dumps(notice), np.uint8)
+        sends = [Work(self.notices.Isend(payload, r, _NOTICE_TAG), f"failure notice to {r}",
+                      (payload,)) for r in range(self.size) if r != self.rank]
+        flags = np.array([int(not own), progress], np.int64)
+        agreement = Work(self.notices.Iallreduce(MPI.IN_PLACE, flags, MPI.MAX),
+                         "failure agreement", (flags,))
+        if not agreement.wait_until(grace, poll=False):
+            self.broken = (f"a failure ({type(error).__name__}) that not every rank came to "
+                           f"agree on within {grace:g} s (TENSORPLAY_MPI_GRACE)")
+            return Verdict(False, progress)
+        # every notice was sent before the agreement could complete
+        while len(self.received) < self.size - 1 and time.monotonic() < deadline:
+            self._receive_notice()
+        for send in sends:  # every rank receives them all, as this one did
+            send.wait_until(max(0.0, deadline - time.monotonic()), poll=False)
+        intact = int(flags[0]) == 0
         if not intact:
             failed = sorted(r for r, was_own, _, _ in self.received if was_own)
             failed += [self.rank] if own else []
             self.broken = f"a failure on rank(s) {sorted(failed)} that other ranks did not share"
         self.received.clear()
         self._first_notice = None
-        try:
-            error._tensorplay_mpi_intact = intact  # type: ignore[attr-defined]
-        except AttributeError:
-            pass
-        return intact
+        return Verdict(intact, int(flags[1]))
+
+
+    def _receive_notice(self) -> bool:
+        """Receive one pending failure notice into :attr:`received`, if there is one."""
+        status = MPI.Status()
+        if not self.notices.Iprobe(MPI.ANY_SOURCE, _NOTICE_TAG, status):
+            return False
+        payload = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+        self.notices.Recv(payload, status.Get_source(), _NOTICE_TAG)  # matched: returns at once
+        self.received.append(pickle.loads(payload.tobytes()))
+        return True
 
 
 def _text(row: np.ndarray) -> str:
     return row.tobytes().rstrip(b"\0").decode(errors="replace")
-

@@ -9,6 +9,7 @@ counts what the library does to it: stream synchronisations (through the patched
 import numpy as np
 
 from tensorplay_mpi import buffers
+from tensorplay_mpi.settings import settings
 
 STREAM = 0x5EED  # the fake stream every fake array says it was produced on
 
@@ -55,6 +56,13 @@ def count_sync(stream):
 
 def use_mode(monkeypatch, aware):
     """Make the library take the CUDA-aware (True) or host-staging (False) path."""
-    monkeypatch.setattr(buffers, "_decision", (aware, "set by the test"))
+    monkeypatch.setenv("TENSORPLAY_MPI_CUDA_AWARE", "1" if aware else "0")
+    reset_settings()
     monkeypatch.setattr(buffers, "_synchronize_stream", count_sync)
     Counters.reset()
+
+
+def reset_settings():
+    """Make the library read its environment variables again (after a test changed them)."""
+    settings.cache_clear()
+    buffers.cuda_aware.cache_clear()

@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 import pytest
-from fake_device import Counters, FakeDeviceArray, on_device, use_mode
+from fake_device import Counters, FakeDeviceArray, on_device, reset_settings, use_mode
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, buffers
@@ -34,8 +34,8 @@ def test_devices_are_recognised_without_cupy():
 
 @pytest.mark.parametrize("setting, aware", [("1", True), ("0", False), ("auto", False)])
 def test_cuda_aware_setting(monkeypatch, setting, aware):
-    monkeypatch.setattr(buffers, "_decision", None)
     monkeypatch.setenv("TENSORPLAY_MPI_CUDA_AWARE", setting)
+    reset_settings()
     decision, why = buffers.cuda_aware()
     assert decision is aware and why
     if setting == "auto":  # the PyPI MPICH wheel is built without CUDA
@@ -43,21 +43,41 @@ def test_cuda_aware_setting(monkeypatch, setting, aware):
 
 
 def test_a_bad_cuda_aware_setting_is_a_value_error(monkeypatch):
-    monkeypatch.setattr(buffers, "_decision", None)
     monkeypatch.setenv("TENSORPLAY_MPI_CUDA_AWARE", "maybe")
-    with pytest.raises(ValueError, match="auto, 0 or 1, got 'maybe'"):
+    reset_settings()
+    with pytest.raises(ValueError, match="TENSORPLAY_MPI_CUDA_AWARE must be one of auto, 0, 1, "
+                                         "got 'maybe'"):
         buffers.cuda_aware()
 
 
-def test_staging_copies_through_one_reused_host_buffer(monkeypatch):
+def test_staging_copies_in_and_back_once_per_operation(monkeypatch):
     use_mode(monkeypatch, aware=False)
     device = on_device(np.arange(4.0))
     for _ in range(3):
         iallreduce(MPI.COMM_SELF, MPI.IN_PLACE, device).wait()
     assert (Counters.syncs, Counters.d2h, Counters.h2d) == (3, 3, 3)
-    assert type(buffers._host_buffers[id(device)]) is np.ndarray
-    assert len([k for k in buffers._host_buffers if k == id(device)]) == 1
     np.testing.assert_array_equal(device, np.arange(4.0))
+
+
+def test_concurrent_operations_on_one_device_array_stage_through_their_own_buffers(monkeypatch):
+    use_mode(monkeypatch, aware=False)
+    target, copy = on_device(np.zeros(3)), on_device(np.full(3, 7.0))
+    writes = iallreduce(MPI.COMM_SELF, np.ones(3), target)  # copied back to `target` at wait
+    reads = iallreduce(MPI.COMM_SELF, target, copy)  # started first: sends target's zeros
+    reads.wait()
+    writes.wait()
+    np.testing.assert_array_equal(target, np.ones(3))
+    np.testing.assert_array_equal(copy, np.zeros(3))
+
+
+def test_staging_a_device_array_without_get_and_set_is_a_type_error(monkeypatch):
+    use_mode(monkeypatch, aware=False)
+
+    class Bare(FakeDeviceArray):
+        get = set = None
+
+    with pytest.raises(TypeError, match="needs CuPy's get\\(\\)/set\\(\\)"):
+        iallreduce(MPI.COMM_SELF, MPI.IN_PLACE, np.zeros(2).view(Bare))
 
 
 def test_staging_copies_back_only_when_the_operation_completes(monkeypatch):

@@ -2,12 +2,13 @@
 
 import numpy as np
 import pytest
+from fake_device import reset_settings
 from helpers import assert_all
 from linear import make_problem, train
 from test_data_parallel_mpi import UNEVEN
 from test_join_mpi import inputs_of
 
-from tensorplay_mpi import Adam, Join, ZeroRedundancyOptimizer, buffers
+from tensorplay_mpi import Adam, Join, ZeroRedundancyOptimizer
 
 cupy = pytest.importorskip("cupy")
 try:
@@ -16,12 +17,12 @@ except cupy.cuda.runtime.CUDARuntimeError:
     HAS_GPU = False
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]
 
-MODES = {"staged": (False, "forced by the test"), "detected": None}
+MODES = {"staged": "0", "detected": "auto"}
 
 
 def set_mode(monkeypatch, mode):
-    if MODES[mode] is not None:
-        monkeypatch.setattr(buffers, "_decision", MODES[mode])
+    monkeypatch.setenv("TENSORPLAY_MPI_CUDA_AWARE", MODES[mode])
+    reset_settings()
 
 
 @pytest.mark.mpi

@@ -121,3 +121,31 @@ def test_a_step_waits_for_the_heartbeat_only_where_its_count_is_needed(comm):
     side.Free()
     assert_all(comm.rank != 1 or received == "in the step", f"rank 1 received {received!r}")
     assert_all(np.array_equal(dp.grads[0], np.ones(2)), f"grads {dp.grads[0]}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_rank_failing_with_different_buckets_started_recovers(comm):
+    """Rank 0 has started bucket 1 of 3 when every rank raises the same error (the others
+    none): the failure path starts it on the others too, and the next Join works."""
+    dp = DataParallel([np.zeros(4) for _ in range(3)], comm=comm, bucket_cap_mb=1e-6)
+    caught = None
+    try:
+        with Join([dp]):
+            with dp.step():
+                if comm.rank == 0:
+                    for i in reversed(range(3)):
+                        dp.mark_ready(i)  # bucket 2 waits for bucket 1, which waits for peers
+                raise KeyError(f"the same bug on rank {comm.rank}")
+    except KeyError as exc:
+        caught = exc
+    assert_all(isinstance(caught, KeyError) and str(comm.rank) in str(caught)
+               and outstanding_requests() == 0,
+               f"caught {caught!r}, {outstanding_requests()} operations pending")
+    with Join([dp]):
+        for _ in range(1 + comm.rank):
+            with dp.step():
+                for g in dp.grads:
+                    g[...] = 1.0
+    # the last step has only the last rank active; joined ranks' hooks get its average too
+    assert_all(all(np.all(g == 1.0 / comm.size) for g in dp.grads),
+               f"grads {[g.tolist() for g in dp.grads]} after the recovery")

@@ -6,13 +6,14 @@ iteration 3 of 10.
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import run_mpi
+from helpers import mpiexec_path, run_mpi
 
 PROGRAM = str(Path(__file__).parent / "programs" / "failures.py")
 RANKS = [2, 3, 4]
@@ -80,3 +81,60 @@ def test_several_tasks_of_one_rank_each_is_a_launch_error(variable):
     assert result.returncode != 0
     assert f"MPI.COMM_WORLD has 1 rank but {variable}=4" in result.stderr, result.stderr
     assert "srun --mpi=pmi2" in result.stderr and "srun --mpi=pmix" in result.stderr
+
+
+MISUSE = str(Path(__file__).parent / "programs" / "misuse.py")
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("post_hook", "ValueError: post hook boom"),
+    ("disabled", "ValueError: boom in a disabled Join"),
+    ("step", "ValueError: boom in a step without a Join"),
+])
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_a_failure_that_peers_never_wait_for_still_ends_the_job_with_its_error(
+        nprocs, mode, message):
+    start = time.monotonic()
+    result = run_mpi(nprocs, [MISUSE, mode], timeout=90, TENSORPLAY_MPI_GRACE="3")
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0 and elapsed < 30, (elapsed, result.stdout, result.stderr)
+    assert results(result.stdout)[1] == message, result.stdout
+    assert message in result.stderr, result.stderr  # the traceback reaches the job's output
+
+
+def test_in_a_step_without_a_join_every_peer_raises_a_peer_failure_error():
+    result = run_mpi(3, [MISUSE, "step"], timeout=90)
+    outcomes = results(result.stdout)
+    assert outcomes[1] == "ValueError: boom in a step without a Join", result.stdout
+    for rank in (0, 2):
+        assert outcomes[rank].startswith(f"PeerFailureError: rank {rank}: rank 1 failed with "
+                                         "ValueError: boom in a step without a Join"), outcomes
+
+
+@pytest.mark.parametrize("opt_out, ends", [("1", True), ("0", False)])
+def test_an_uncaught_exception_without_mpi4py_run_aborts_the_job(opt_out, ends):
+    """Without ``-m mpi4py`` the library's excepthook aborts (TENSORPLAY_MPI_EXCEPTHOOK=0: not)."""
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, MISUSE, "uncaught"]
+    env = dict(os.environ, TENSORPLAY_MPI_EXCEPTHOOK=opt_out)
+    start = time.monotonic()
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env, start_new_session=True)
+    try:
+        _, stderr = job.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)  # mpiexec and every rank
+        job.communicate()
+        assert not ends, "the job did not end within 15 s"
+        return
+    assert ends, "the job ended although the excepthook was turned off"
+    assert job.returncode != 0 and time.monotonic() - start < 15
+    assert "ValueError: boom between epochs" in stderr, stderr
+    assert "rank 1: uncaught ValueError: aborting the MPI job" in stderr, stderr
+
+
+def test_a_timeout_names_the_likely_causes_and_nothing_follows_it():
+    result = run_mpi(2, [MISUSE, "forgotten"], timeout=60, TENSORPLAY_MPI_TIMEOUT="3")
+    assert result.returncode != 0, result.stdout
+    assert "CollectiveTimeoutError" in result.stderr, result.stderr
+    assert "a joinable missing from the Join's list" in result.stderr
+    assert "has not completed yet" not in result.stderr, result.stderr

@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 import pytest
+from fake_device import reset_settings
 from helpers import assert_all
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,8 +13,10 @@ from mpi4py import MPI
 from test_join_mpi import run
 from toys import AllReducer, active_counts
 
-from tensorplay_mpi import CollectiveMismatchError, DataParallel, Join, PeerFailureError, guard
+from tensorplay_mpi import (CollectiveMismatchError, DataParallel, Join, JoinableComm,
+                            PeerFailureError)
 from tensorplay_mpi.comm import iallreduce, outstanding_requests
+from tensorplay_mpi.work import progress_pending
 
 
 def rss_bytes():
@@ -88,7 +91,8 @@ def test_an_inter_communicator_is_a_type_error(comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_debug_mismatch_raises_everywhere_and_the_communicator_stays_usable(comm, monkeypatch):
-    monkeypatch.setattr(guard, "DEBUG", True)
+    monkeypatch.setenv("TENSORPLAY_MPI_DEBUG", "1")
+    reset_settings()
     joinable = AllReducer(comm)
     error = None
     try:
@@ -137,3 +141,37 @@ def test_a_waiting_rank_backs_off_instead_of_spinning(comm):
         cpu_start = time.process_time()
     cpu = time.process_time() - cpu_start
     assert_all(comm.rank != 0 or cpu < 0.5, f"rank 0 burnt {cpu:.2f} s of CPU in 1 s of waiting")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_dropped_work_keeps_its_buffers_until_the_operation_completes(comm):
+    n = 1 << 16
+    if comm.rank == 0:
+        time.sleep(0.2)  # the peers' operation stays pending meanwhile
+    iallreduce(comm, np.ones(n), np.empty(n))  # dropped at once
+    fresh = [np.full(n, -1.0) for _ in range(8)]  # would reuse freed buffers
+    while outstanding_requests():
+        progress_pending()
+    intact = all((a == -1.0).all() for a in fresh)
+    assert_all(intact, "a dropped operation wrote into memory allocated after it")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_after_every_rank_fails_alike_every_pending_operation_completes(comm):
+    jc = JoinableComm(comm)
+    caught = None
+    try:
+        with Join([jc]):
+            jc.begin_iteration()
+            jc.iallreduce(np.ones(1_000_000))  # dropped, pending when every rank raises
+            raise KeyError("the same bug on every rank")
+    except KeyError as exc:
+        caught = exc
+    assert_all(caught is not None and outstanding_requests() == 0,
+               f"caught {caught!r}, {outstanding_requests()} operations pending")
+    with Join([jc]):  # the communicator is intact: the next Join works
+        for _ in range(1 + comm.rank):
+            jc.begin_iteration()
+            total = jc.allreduce(np.ones(1))
+    assert_all(total[0] == comm.size - comm.rank,
+               f"total {total}")

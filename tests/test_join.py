@@ -2,12 +2,16 @@
 
 import warnings
 
+import numpy as np
 import pytest
+from fake_device import reset_settings
 from mpi4py import MPI
 from toys import AllReducer, NoInit
 
 from tensorplay_mpi import Join, Joinable, JoinHook, Work
 from tensorplay_mpi.algorithms import join as join_module
+from tensorplay_mpi.comm import iallreduce
+from tensorplay_mpi.settings import settings
 
 
 @pytest.fixture
@@ -134,8 +138,10 @@ def test_bad_join_device_is_a_value_error(comm):
     class OnTpu(AllReducer):
         join_device = "tpu:0"
 
-    with pytest.raises(ValueError, match="'tpu:0'"):
+    with pytest.raises(ValueError, match="OnTpu.join_device must be .*'tpu:0'"):
         Join([OnTpu(comm)])
+    with pytest.raises(ValueError, match="OnTpu.join_device"):  # not only the first one's
+        Join([AllReducer(comm), OnTpu(comm)])
 
 
 def test_a_join_is_single_use(comm):
@@ -166,12 +172,46 @@ def test_work_result_and_negative_timeout(comm):
             Join.notify_join_context(joinable).wait(timeout=-1)
 
 
-def test_a_timeout_must_be_positive(comm):
-    with pytest.raises(ValueError, match="timeout must be a positive number"):
-        Join([AllReducer(comm)], timeout=0)
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf")])
+def test_a_timeout_must_be_positive_and_finite(comm, timeout):
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number"):
+        Join([AllReducer(comm)], timeout=timeout)
 
 
-def test_a_bad_timeout_variable_is_a_value_error(comm, monkeypatch):
-    monkeypatch.setenv("TENSORPLAY_MPI_TIMEOUT", "soon")
-    with pytest.raises(ValueError, match="TENSORPLAY_MPI_TIMEOUT must be a positive number"):
-        Join([AllReducer(comm)])
+@pytest.mark.parametrize("timeout", ["5", True, [5]])
+def test_a_timeout_that_is_no_number_is_a_type_error(comm, timeout):
+    with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+        Join([AllReducer(comm)], timeout=timeout)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1])
+def test_work_wait_refuses_a_timeout_that_never_or_already_ended(comm, timeout):
+    work = iallreduce(comm, np.ones(1), np.empty(1))
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        work.wait(timeout)
+    work.wait()
+
+
+@pytest.mark.parametrize("name", ["TENSORPLAY_MPI_TIMEOUT", "TENSORPLAY_MPI_GRACE"])
+def test_a_bad_seconds_variable_is_a_value_error(comm, monkeypatch, name):
+    monkeypatch.setenv(name, "soon")
+    reset_settings()
+    with pytest.raises(ValueError, match=f"{name} must be a positive number of seconds, "
+                                         "got 'soon'"):
+        settings()
+
+
+@pytest.mark.parametrize("text, on", [("1", True), ("true", True), ("YES", True), ("on", True),
+                                      ("0", False), ("False", False), ("no", False), ("", False)])
+def test_debug_accepts_the_usual_spellings(monkeypatch, text, on):
+    monkeypatch.setenv("TENSORPLAY_MPI_DEBUG", text)
+    reset_settings()
+    assert settings().debug is on
+
+
+def test_an_unknown_debug_value_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("TENSORPLAY_MPI_DEBUG", "maybe")
+    reset_settings()
+    with pytest.raises(ValueError, match="TENSORPLAY_MPI_DEBUG must be one of 1/true/yes/on or "
+                                         "0/false/no/off, got 'maybe'"):
+        settings()

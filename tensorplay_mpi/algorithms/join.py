@@ -1,13 +1,18 @@
 """Join, Joinable and JoinHook over MPI: the uneven-inputs protocol and nothing else.
 
 The contract is the one of ``torch.distributed.algorithms.join``.  The wire protocol (all int64,
-all nonblocking, see DESIGN.md):
+all nonblocking; the documentation's "Wire protocol" page has every joinable's schedule):
 
-- active rank, each iteration: ``Iallreduce([1], SUM)`` (the heartbeat), then its collectives;
-- joined rank, each round: ``Iallreduce([0], SUM)`` + wait gives the number of active ranks
-  ``n``; ``n == 0`` ends the loop, else every main hook shadows one active iteration;
+- active rank, each iteration: every joinable's :meth:`Joinable.end_iteration` (list order),
+  then ``Iallreduce([1], SUM)`` (the heartbeat), then the iteration's collectives, joinable by
+  joinable in list order;
+- on leaving the block: every ``end_iteration`` once more, then the joined loop.  Joined rank,
+  each round: ``Iallreduce([0], SUM)`` + wait gives the number of active ranks ``n``; ``n == 0``
+  ends the loop, else every main hook shadows one active iteration, in list order; then every
+  post hook once, in list order;
 - throw mode adds one pair per iteration: active ``Iallreduce([0])`` + wait (raise if > 0),
-  joined ``Iallreduce([1])`` + wait, then raise.
+  joined ``Iallreduce([1])`` + wait, then raise
+  :class:`~tensorplay_mpi.errors.EarlyTerminationError`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
 from ..guard import Guard
+from ..work import complete_pending
 
 __all__ = ["Join", "Joinable", "JoinHook"]
 
@@ -219,10 +225,10 @@ class Join:
     ) -> None:
         self._joinables = list(joinables)
         self._check_joinables()
-        first = self._joinables[0]
-        self._comm: MPI.Intracomm = first.join_process_group
+        self._comm: MPI.Intracomm = self._joinables[0].join_process_group
         self._rank = self._comm.Get_rank()
-        check_device(first.join_device, "join_device")
+        for joinable in self._joinables:
+            check_device(joinable.join_device, f"{type(joinable).__name__}.join_device")
         self._enable = bool(enable)
         self._throw_on_early_termination = bool(throw_on_early_termination)
         self._timeout = resolve_timeout(timeout)
@@ -300,9 +306,11 @@ class Join:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
+            if not self._enable:  # inert: started nothing, agrees on nothing
+                return
             if exc is not None:
                 self._settle(exc)
-            elif self._enable:  # a disabled Join started nothing
+            else:
                 try:
                     self._finish_iterations()
                     self._wait_heartbeats()
@@ -315,9 +323,12 @@ class Join:
                 joinable._bound_join = None
 
     def _settle(self, error: BaseException) -> None:
-        """The failure path: agree with every rank; complete the heartbeats if still possible."""
-        if self._guard.settle(error, self._timeout):
-            self._wait_heartbeats()
+        """The failure path: agree with every rank; when every rank failed on its own, complete
+        every operation still pending on the communicator (of any joinable), so nothing leaks
+        into the next Join."""
+        if self._guard.settle(error).intact:
+            self._heartbeats.clear()
+            complete_pending(self._guard, self._timeout)
 
     @staticmethod
     def notify_join_context(joinable: Joinable) -> Work | None:

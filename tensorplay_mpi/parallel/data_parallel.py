@@ -405,9 +405,9 @@ class DataParallel(CommJoinable):
         lacks (their content no longer matters) and waits for all of them.
         """
         step = self._step
-        intact, progress = self._guard.settle(error, self.timeout), len(step.works)  # PRE-MERGE
-        if intact:
-            while len(step.works) < progress:
+        verdict = self._guard.settle(error, progress=len(step.works))
+        if verdict.intact:
+            while len(step.works) < verdict.progress:
                 self._start_bucket(step, len(step.works))
             self._wait_all(step.works)
 

@@ -1,0 +1,78 @@
+"""How the job was launched and how it ends: the launch check and the abort on uncaught errors.
+
+An uncaught exception on one rank of a multi-rank job, outside any library call, leaves the
+other ranks waiting in their next collective until the launcher's time limit.  ``python -m
+mpi4py`` turns it into ``MPI_Abort``; for programs started without it, the first Join or
+library joinable installs an excepthook that does the same (``TENSORPLAY_MPI_EXCEPTHOOK=0``
+keeps Python's own).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from types import TracebackType
+
+from mpi4py import MPI
+
+from .settings import settings
+
+__all__ = ["launch_problem", "check_launch", "install_excepthook"]
+
+_LAUNCH_VARIABLES = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+_REPORT_GRACE_S = 0.5  # the launcher forwards the traceback before the abort kills the job
+_installed = False
+
+
+def launch_problem() -> str | None:
+    """Why this process looks like one of several tasks each started as a singleton MPI job
+    (a wrong ``srun --mpi`` plugin, or an mpiexec from another MPI), else ``None``."""
+    if MPI.COMM_WORLD.Get_size() > 1:
+        return None
+    for name in _LAUNCH_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            return (
+                f"MPI.COMM_WORLD has 1 rank but {name}={value}: every task started as a "
+                "singleton MPI job, so the launcher does not speak this MPI library's process "
+                "manager interface. Under Slurm use srun --mpi=pmi2 (MPICH, Intel MPI, MVAPICH) "
+                "or srun --mpi=pmix (Open MPI); 'srun --mpi=list' shows the plugins. With "
+                "mpiexec, use the one of the MPI library that mpi4py loads "
+                "(python -m tensorplay_mpi.info)."
+            )
+    return None
+
+
+def check_launch() -> None:
+    """Raise ``RuntimeError`` with :func:`launch_problem`'s explanation, if there is one."""
+    problem = launch_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+def install_excepthook() -> None:
+    """Abort the job on an uncaught exception, once per process, where nothing else does.
+
+    Installed only when ``COMM_WORLD`` has several ranks, the program does not run under
+    ``python -m mpi4py`` (whose handler already aborts), and ``TENSORPLAY_MPI_EXCEPTHOOK`` is
+    not 0.  The hook prints the traceback as Python would, then calls ``MPI_Abort``.
+    """
+    global _installed
+    if _installed or MPI.COMM_WORLD.Get_size() == 1 or "mpi4py.run" in sys.modules \
+            or not settings().excepthook:
+        return
+    _installed = True
+    previous = sys.excepthook
+
+    def abort_on_uncaught(kind: type[BaseException], error: BaseException,
+                          tb: TracebackType | None) -> None:
+        previous(kind, error, tb)
+        sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: uncaught {kind.__name__}: "
+                         "aborting the MPI job (tensorplay_mpi; TENSORPLAY_MPI_EXCEPTHOOK=0 "
+                         "turns this off)\n")
+        sys.stderr.flush()
+        time.sleep(_REPORT_GRACE_S)
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort_on_uncaught

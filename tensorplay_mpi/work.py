@@ -1,0 +1,255 @@
+"""Work: the handle of a started nonblocking operation, the wait policy, and the abort.
+
+This is the bottom of the library: it knows requests, buffers and deadlines, not
+communicators.  Every Work is owned by a process-wide registry from the moment it starts until
+it completes, whether or not its caller keeps the handle: MPI forbids freeing an incomplete
+request, and buffers freed while MPI still writes them corrupt memory.  The registry is
+progressed at library calls and completed at exit, before MPI finalizes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable, Protocol
+
+from mpi4py import MPI
+
+from .errors import CollectiveTimeoutError
+from .settings import settings
+
+__all__ = ["Work", "Poller", "outstanding_requests", "progress_pending", "complete_pending",
+           "report_and_abort"]
+
+# A wait spins on MPI_Test while data may be moving (a nonblocking collective progresses only
+# inside MPI calls): 1 ms plus 4 ms per MB of its buffers.  Then it sleeps between tests, 10 us
+# doubling up to 250 us, so that a rank waiting for slower peers leaves the core to them on an
+# oversubscribed node, at a cost of at most 250 us of latency.  While spinning it yields the
+# core after every test, which costs nothing when no other process wants it.
+_SPIN_S = 1e-3
+_SPIN_BYTES_PER_S = 2.5e8
+_MIN_SLEEP_S = 1e-5
+_MAX_SLEEP_S = 2.5e-4
+_POLL_EVERY = 64  # tests between two looks for failure notices while spinning
+_REPORT_GRACE_S = 0.5  # between printing a timeout report and aborting
+
+_LIKELY_CAUSES = (
+    "Likely causes: (1) a joinable missing from the Join's list, so joined ranks do not "
+    "shadow its collectives (Join([dp, opt]) with every optimizer, ZeroRedundancyOptimizer "
+    "and JoinableComm in it); (2) a collective of your own (comm.Allreduce, comm.bcast, ...) "
+    "inside a Join, which joined ranks cannot shadow: use a JoinableComm; (3) dp.step() with "
+    "uneven inputs outside a Join; (4) a rank that stalls or died outside the library. "
+    "TENSORPLAY_MPI_DEBUG=1 names the first mismatched collective."
+)
+
+
+class Poller(Protocol):
+    """What a Work polls while it waits (the guard of its communicator)."""
+
+    def poll(self, what: str, since: float) -> None:
+        """Raise if another rank reported a failure."""
+
+
+_pending: dict[int, Work] = {}  # id -> Work, in start order; strong references
+
+
+class Work:
+    """Handle of one started nonblocking operation.
+
+    The handle keeps the buffers of the operation alive until it completes; the library's
+    registry keeps the handle alive until then, so dropping it is safe.
+
+    Parameters
+    ----------
+    request : mpi4py.MPI.Request
+        The started operation.
+    what : str
+        What the operation is, for error messages (``"heartbeat (iteration 3)"``, ...).
+    keep : tuple
+        Objects to keep alive until completion (the send and receive buffers).
+    finish : callable, optional
+        Called once on completion; its return value is :meth:`result`.
+    poller : Poller, optional
+        Polled for failure notices of other ranks while waiting (the communicator's guard).
+    """
+
+    __slots__ = ("_request", "_what", "_keep", "_finish", "_result", "_done", "poller")
+
+    def __init__(self, request: MPI.Request, what: str, keep: tuple = (),
+                 finish: Callable[[], Any] | None = None, poller: Poller | None = None) -> None:
+        self._request = request
+        self._what = what
+        self._keep = keep
+        self._finish = finish
+        self._result: Any = None
+        self._done = False
+        self.poller = poller
+        _pending[id(self)] = self
+
+    def __repr__(self) -> str:
+        state = "completed" if self._done else "pending"
+        return f"<Work {self._what} {state}>"
+
+    @property
+    def what(self) -> str:
+        """What the operation is."""
+        return self._what
+
+    def is_completed(self) -> bool:
+        """Test for completion without blocking (this also drives MPI progress)."""
+        if not self._done and self._request.Test():
+            self._complete()
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the operation completes.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait at most (finite, >= 0), after which :class:`TimeoutError` is
+            raised and the operation stays pending and owned by the library (wait again
+            later).  ``None`` waits up to the library deadline (``$TENSORPLAY_MPI_TIMEOUT``,
+            1800 s), after which :class:`~tensorplay_mpi.errors.CollectiveTimeoutError` is
+            reported and the job aborted.
+
+        Returns
+        -------
+        bool
+            Always ``True`` (as ``mpi4py.MPI.Request.Wait`` and PyTorch's ``Work.wait``).
+
+        Raises
+        ------
+        TimeoutError
+            If an explicit `timeout` expired.
+        TypeError, ValueError
+            If `timeout` is not a number, or negative, NaN or infinite.
+        tensorplay_mpi.errors.PeerFailureError
+            If another rank failed while this one waited (guarded communicators).
+        """
+        if timeout is None:
+            return self.wait_or_abort(settings().timeout)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout must be a number of seconds or None, got "
+                            f"{type(timeout).__name__}")
+        if not (timeout >= 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout must be a finite number >= 0 or None, got {timeout!r}")
+        if not self.wait_until(timeout):
+            raise TimeoutError(f"rank {MPI.COMM_WORLD.Get_rank()}: {self._what} did not "
+                               f"complete within {timeout:g} s")
+        return True
+
+    def wait_or_abort(self, timeout: float) -> bool:
+        """Wait at most `timeout` s; then report a CollectiveTimeoutError and abort the job.
+
+        This is the one wait of every library collective.  A half-matched communicator
+        cannot be reused, so a collective that does not complete in time ends the job.
+        """
+        start = time.monotonic()
+        if not self.wait_until(timeout):
+            report_and_abort(CollectiveTimeoutError(
+                f"rank {MPI.COMM_WORLD.Get_rank()}: {self._what} did not complete after "
+                f"{time.monotonic() - start:.1f} s (timeout {timeout:g} s); aborting the job. "
+                + _LIKELY_CAUSES))
+        return True
+
+    def wait_until(self, timeout: float, poll: bool = True) -> bool:
+        """Test until completion (True) or until `timeout` s pass (False); never raises a
+        timeout.  `poll` False skips failure notices (the failure protocol's own waits)."""
+        if self.is_completed():
+            return True
+        poller = self.poller if poll else None
+        start = time.monotonic()
+        spin = _SPIN_S + sum(getattr(b, "nbytes", 0) for b in self._keep) / _SPIN_BYTES_PER_S
+        sleep, tests = _MIN_SLEEP_S, 0
+        while not self.is_completed():
+            tests += 1
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                return False
+            if waited < spin:
+                if poller is not None and tests % _POLL_EVERY == 0:
+                    poller.poll(self._what, start)
+                os.sched_yield()  # lets a peer sharing this core run (as MPICH's Wait does)
+                continue
+            if poller is not None:
+                poller.poll(self._what, start)
+            time.sleep(min(sleep, timeout - waited))
+            sleep = min(2 * sleep, _MAX_SLEEP_S)
+        return True
+
+    def result(self) -> Any:
+        """The operation's result; only after completion (:meth:`wait` first).
+
+        Raises
+        ------
+        RuntimeError
+            If the operation has not completed yet.
+        """
+        if not self.is_completed():
+            raise RuntimeError(f"{self._what} has not completed yet; call wait() before result()")
+        return self._result
+
+    def _complete(self) -> None:
+        self._done = True
+        _pending.pop(id(self), None)
+        if self._finish is not None:
+            self._result = self._finish()
+        self._keep = self._finish = None
+
+
+def report_and_abort(error: BaseException) -> None:
+    """Print `error` with the stack that led to it, abort the job, and raise `error` should
+    the abort return.
+
+    Always ``COMM_WORLD``: with MPICH's hydra, ``MPI_Abort`` on a duplicate communicator left
+    the other ranks running until an outer timeout in 2 runs of 8 here; on ``COMM_WORLD`` it
+    ended the job every time.  Without the pause before it, hydra dropped the report of
+    every rank in 3 runs of 20.
+    """
+    stack = "".join(traceback.format_stack()[:-2])
+    sys.stderr.write(f"{stack}{type(error).__module__}.{type(error).__name__}: {error}\n")
+    sys.stderr.flush()
+    time.sleep(_REPORT_GRACE_S)  # the launcher forwards the report before the abort kills it
+    MPI.COMM_WORLD.Abort(1)
+    raise error
+
+
+def outstanding_requests() -> int:
+    """Number of operations started in this process that have not completed yet."""
+    return len(_pending)
+
+
+def progress_pending(at_least: int = 0) -> None:
+    """Test the pending operations once (completing those that are done), when there are at
+    least `at_least` of them.  Library starts call it, so dropped Works do not pile up."""
+    if len(_pending) >= max(at_least, 1):
+        for work in list(_pending.values()):
+            work.is_completed()
+
+
+def complete_pending(poller: Poller | None, timeout: float) -> None:
+    """Wait for every pending operation polled by `poller` (the operations of one guarded
+    communicator), in start order; abort the job if one does not complete within `timeout`."""
+    for work in [w for w in _pending.values() if w.poller is poller]:
+        work.wait_or_abort(timeout)
+
+
+def _complete_all_at_exit() -> None:
+    """Before MPI finalizes: complete what is still pending, or end the job if it cannot."""
+    if not _pending or MPI.Is_finalized():
+        return
+    deadline = time.monotonic() + settings().grace
+    for work in list(_pending.values()):
+        if not work.wait_until(max(0.0, deadline - time.monotonic()), poll=False):
+            report_and_abort(RuntimeError(
+                f"rank {MPI.COMM_WORLD.Get_rank()}: the process exits with {len(_pending)} "
+                f"library operation(s) that other ranks never matched ({work.what} first); "
+                "aborting so that the job ends"))
+
+
+atexit.register(_complete_all_at_exit)  # after mpi4py's own: runs before MPI_Finalize

@@ -1,0 +1,91 @@
+"""Failures outside the paths a step covers; run under mpiexec by test_failures.py.
+
+    mpiexec -n 3 python -m mpi4py tests/programs/misuse.py MODE
+
+MODE (rank 1 misbehaves):
+  post_hook   a post hook raises on rank 1 only; the other ranks leave the Join and go on
+  disabled    rank 1 raises inside a Join(enable=False) block; the others go on
+  step        rank 1 raises inside dp.step() with no Join; the others wait in the step
+  uncaught    rank 1 raises between epochs, outside any library call (run without -m mpi4py)
+  forgotten   a ZeroRedundancyOptimizer left out of Join([dp]) with uneven inputs (run with a
+              small TENSORPLAY_MPI_TIMEOUT)
+
+Every rank that catches an exception prints ``RESULT rank=R ExceptionType: message`` and raises
+it again; ranks that go on print ``WENT ON rank=R`` and sleep far longer than any test waits.
+"""
+
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from tensorplay_mpi import Adam, DataParallel, Join, JoinHook, ZeroRedundancyOptimizer
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
+from toys import AllReducer  # noqa: E402
+
+mode = sys.argv[1]
+world = MPI.COMM_WORLD
+comm = world.Dup()
+bad = world.rank == 1
+
+
+class RaisingPostHook(JoinHook):
+    def post_hook(self, is_last_joiner):
+        if bad:
+            raise ValueError("post hook boom")
+
+
+class PostHookFailure(AllReducer):
+    def join_hook(self, **kwargs):
+        return RaisingPostHook()
+
+
+def go_on():
+    print(f"WENT ON rank={world.rank}", flush=True)
+    time.sleep(120)
+
+
+try:
+    if mode == "post_hook":
+        joinable = PostHookFailure(comm)
+        with Join([joinable]):
+            for _ in range(2 + world.rank):
+                joinable()
+        go_on()
+    elif mode == "disabled":
+        joinable = AllReducer(comm)
+        with Join([joinable], enable=False):
+            joinable()
+            if bad:
+                raise ValueError("boom in a disabled Join")
+        go_on()
+    elif mode == "step":
+        dp = DataParallel([np.zeros(4)], comm=comm)
+        for _ in range(3):
+            with dp.step():
+                if bad:
+                    raise ValueError("boom in a step without a Join")
+                dp.grads[0] = np.ones(4)
+    elif mode == "uncaught":
+        dp = DataParallel([np.zeros(4)], comm=comm)
+        for epoch in range(2):
+            with Join([dp]):
+                with dp.step():
+                    dp.grads[0] = np.ones(4)
+            if bad:
+                raise ValueError("boom between epochs")
+        go_on()
+    elif mode == "forgotten":
+        params = [np.zeros(4)]
+        dp = DataParallel(params, comm=comm)
+        zero = ZeroRedundancyOptimizer(params, dp.grads, Adam, comm=comm, lr=0.1)
+        with Join([dp]):
+            for _ in range(2 + world.rank):
+                with dp.step():
+                    dp.grads[0] = np.ones(4)
+                zero.step()
+except Exception as exc:
+    print(f"RESULT rank={world.rank} {type(exc).__name__}: {exc}", flush=True)
+    raise
