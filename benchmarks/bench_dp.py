@@ -60,13 +60,20 @@ def median_time(comm: MPI.Intracomm, fn, repeats: int, setup=None) -> float:
 
 
 def side_by_side(comm, a, b, repeats: int, setup=None) -> dict:
-    """Median times of `a` and `b`, interleaved, and their ratio."""
+    """Median times of `a` and `b`, interleaved in ABBA order, and their ratios.
+
+    ``ratio`` is the ratio of the medians; ``paired_ratio`` the median of the ratios of
+    neighbouring samples, which cancels slow drifts of the machine's load.
+    """
     times_a, times_b = [], []
-    for _ in range(repeats):
-        times_a.append(slowest(comm, a, setup))
-        times_b.append(slowest(comm, b, setup))
+    for i in range(repeats):
+        first, second = (a, b) if i % 2 == 0 else (b, a)
+        t_first, t_second = slowest(comm, first, setup), slowest(comm, second, setup)
+        times_a.append(t_first if i % 2 == 0 else t_second)
+        times_b.append(t_second if i % 2 == 0 else t_first)
     ta, tb = statistics.median(times_a), statistics.median(times_b)
-    return {"a_ms": ta * 1e3, "b_ms": tb * 1e3, "ratio": ta / tb}
+    paired = statistics.median(x / y for x, y in zip(times_a, times_b))
+    return {"a_ms": ta * 1e3, "b_ms": tb * 1e3, "ratio": ta / tb, "paired_ratio": paired}
 
 
 def bench_size(comm: MPI.Intracomm, total: int, steps: int, repeats: int,
@@ -190,7 +197,8 @@ def main() -> None:
         if comm.rank == 0:
             row = report["sizes"][str(total)]
             print(f"{comm.size} ranks, {total:>10,} params: " + "  ".join(
-                f"{k} {row[k]['ratio']:.3f}" for k in TARGETS if k in row), flush=True)
+                f"{k} {row[k]['ratio']:.3f} (paired {row[k].get('paired_ratio', row[k]['ratio']):.3f})"
+                for k in TARGETS if k in row), flush=True)
     if comm.rank == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
