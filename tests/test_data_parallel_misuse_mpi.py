@@ -67,10 +67,14 @@ def test_a_bad_broadcast_from_on_one_rank_fails_on_every_rank(comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_the_divisor_comes_from_the_join_the_step_runs_in(comm):
-    """An unused Join with another option changes nothing (no side effect of join_hook)."""
+    """A Join made later with another option, never entered, changes nothing."""
+    def make_join(dp):
+        join = Join([dp], divide_by_initial_world_size=False)
+        Join([dp], divide_by_initial_world_size=True)  # its hook is made, then dropped
+        return join
+
     data, inputs = make_problem(), [2 + r for r in range(comm.size)]
-    params, dp = train(comm, data, inputs, divide_by_initial_world_size=False,
-                       before_join=lambda dp: Join([dp], divide_by_initial_world_size=True))
+    params, dp = train(comm, data, inputs, make_join=make_join)
     expected = replay(data, inputs, divide_by_initial_world_size=False)
     assert_all(all(np.allclose(p, e, rtol=1e-12, atol=0) for p, e in zip(params, expected)),
                f"params {params} != replay {expected}")
