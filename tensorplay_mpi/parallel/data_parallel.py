@@ -221,7 +221,7 @@ class DataParallel(CommJoinable):
         every = np.empty((self.size, 4), dtype=np.int64)
         self._wait(iallgather(self.comm, mine, every, "construction check"))
         if refused is not None:
-            raise refused
+            raise type(refused)(f"rank {self.rank}: {refused}") from None
         if every[:, 0].any():
             first = int(np.flatnonzero(every[:, 0])[0])
             raise _ERRORS[int(every[first, 0])](
