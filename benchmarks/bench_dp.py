@@ -124,8 +124,9 @@ def bench_size(comm: MPI.Intracomm, total: int, steps: int, repeats: int,
             repeats, setup=lambda: refill(dp)),
         "overlap": overlap,
         "shadow": lambda: shadow_ratio(comm, dp, steps, repeats, reduce_only, refill),
-        "debug": lambda: side_by_side(comm, lambda: debug_mode(True, lambda: train(dp, True, False)),
-                                      lambda: train(dp, True, False), repeats),
+        "debug": lambda: side_by_side(
+            comm, lambda: debug_mode(True, lambda: train(dp, True, False)),
+            lambda: train(dp, True, False), repeats),
     }
     results = {name: ratios[name]() for name in only}
     return results
@@ -199,7 +200,8 @@ def main() -> None:
         if comm.rank == 0:
             row = report["sizes"][str(total)]
             print(f"{comm.size} ranks, {total:>10,} params: " + "  ".join(
-                f"{k} {row[k]['ratio']:.3f} (paired {row[k].get('paired_ratio', row[k]['ratio']):.3f})"
+                f"{k} {row[k]['ratio']:.3f}" + (f" (paired {row[k]['paired_ratio']:.3f})"
+                                                 if "paired_ratio" in row[k] else "")
                 for k in TARGETS if k in row), flush=True)
     if comm.rank == 0:
         with open(args.out, "w") as f:
