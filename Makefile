@@ -12,8 +12,14 @@ RANKS   ?= 1 2 3 4
 TEST_TIMEOUT ?= 60
 RUN_TIMEOUT  ?= 900
 PYTEST_MPI   := -m pytest --with-mpi -m mpi -q --color=no --timeout=$(TEST_TIMEOUT) --timeout-method=thread
+MPI_TESTS    ?= tests
+# The core MPI tests (Join, DataParallel, JoinableComm, ZeRO; tiny workloads), for test-8.
+CORE_TESTS   := tests/test_join_mpi.py tests/test_data_parallel_mpi.py \
+                tests/test_data_parallel_misuse_mpi.py tests/test_joinable_comm_mpi.py \
+                tests/test_zero_mpi.py
 
-.PHONY: venv test test-serial test-mpi test-openmpi docs slurm-test demo lint bench bench-threads gpu-check clean
+.PHONY: venv test test-serial test-mpi test-8 soak-32 test-noshm test-openmpi docs slurm-test demo lint bench \
+        bench-threads gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -42,10 +48,27 @@ test-serial: venv
 test-mpi: venv
 	@for n in $(RANKS); do \
 	  echo "== MPI tests at $$n rank(s) (ranks > 0 log to .test-logs/)"; rm -rf .test-logs; \
-	  timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $$n tests/rank-logs $(PY) -m mpi4py $(PYTEST_MPI) tests \
+	  timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $$n tests/rank-logs $(PY) -m mpi4py $(PYTEST_MPI) $(MPI_TESTS) \
 	    || { rc=$$?; tail -n 200 .test-logs/*.log 2>/dev/null; \
 	         echo "MPI tests failed at $$n rank(s) (exit $$rc)"; exit 1; }; \
 	done
+
+# Scale (see docs/scale.md): the core MPI tests at 8 ranks, oversubscribed (about 1 min here);
+# an exactness soak at 32 ranks (DataParallel and JoinableComm against closed forms, ~10 s).
+test-8: venv
+	$(MAKE) test-mpi RANKS=8 MPI_TESTS="$(CORE_TESTS)" TEST_TIMEOUT=120
+
+soak-32: venv
+	timeout -k 10 300 $(MPIEXEC) -n 32 $(PY) -m mpi4py tests/programs/soak.py
+
+# The MPI tests at 2-4 ranks with MPICH's shared memory off, so that every message takes the
+# network path it takes between nodes: MPIR_CVAR_NOLOCAL=1 makes MPICH treat every rank as
+# remote (checked first: each rank must see itself alone on its node) and UCX_TLS=tcp,self
+# keeps the UCX netmod off its own shared-memory transports (TCP over loopback here).
+NOSHM := MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp,self
+test-noshm: venv
+	$(NOSHM) timeout 60 $(MPIEXEC) -n 2 $(PY) tests/programs/transport.py --expect-remote
+	$(NOSHM) $(MAKE) test-mpi RANKS="2 3 4"
 
 # The MPI test suite once more against Open MPI (the PyPI wheel, in a second venv), so that
 # nothing silently depends on MPICH; oversubscribed beyond 2 ranks on 2 cores.

@@ -97,7 +97,7 @@ PATTERNS: dict[str, Callable[[int, int], int]] = {
     "three_plus_rank": lambda r, w: 3 + r,
     "even": lambda r, w: 4,
     "rank0_zero": lambda r, w: 0 if r == 0 else 2 + r,
-    "last_zero": lambda r, w: 0 if r == w - 1 else 5 - r,
+    "last_zero": lambda r, w: 0 if r == w - 1 else max(1, 5 - r),
     "scrambled": lambda r, w: (7 * r + 3) % 5,
 }
 """Number of inputs of rank ``r`` in a world of size ``w``: uneven, even, a rank with none."""

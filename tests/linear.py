@@ -9,7 +9,7 @@ from tensorplay_mpi import DataParallel, Join
 IN, OUT = 5, 3
 
 
-def make_problem(seed=0, samples=240, dtype=np.float64):
+def make_problem(seed=0, samples=640, dtype=np.float64):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(samples, IN)).astype(dtype)
     y = (x @ rng.normal(size=(IN, OUT)) + 0.1 * rng.normal(size=(samples, OUT))).astype(dtype)
@@ -35,10 +35,12 @@ def rank_batches(inputs, rank, batch=8):
 
 
 def train(comm, data, inputs, lr=0.1, divide_by_initial_world_size=True, sync_every=1,
-          overlap=False, bucket_cap_mb=25.0, dtypes=(np.float64, np.float64), device=None):
+          overlap=False, bucket_cap_mb=25.0, dtypes=(np.float64, np.float64), device=None,
+          make_join=None):
     """The distributed run on this rank; returns (params, dp).
 
-    `device` (optional) moves arrays to a device: the params and the data.
+    `device` (optional) moves arrays to a device: the params and the data; `make_join`
+    (optional) makes the Join from `dp` instead of ``Join([dp], divide_by_...)``.
     """
     x, y = data if device is None else (device(data[0]), device(data[1]))
     params = initial_params(dtypes)
@@ -47,7 +49,11 @@ def train(comm, data, inputs, lr=0.1, divide_by_initial_world_size=True, sync_ev
     params[0] += comm.rank  # the constructor broadcast from rank 0 must repair this
     dp = DataParallel(params, comm=comm, bucket_cap_mb=bucket_cap_mb)
     batches = rank_batches(inputs, comm.rank)
-    with Join([dp], divide_by_initial_world_size=divide_by_initial_world_size):
+    if make_join is None:
+        join = Join([dp], divide_by_initial_world_size=divide_by_initial_world_size)
+    else:
+        join = make_join(dp)
+    with join:
         for t, idx in enumerate(batches):
             syncs = (t + 1) % sync_every == 0
             if t % sync_every == 0:

@@ -54,6 +54,7 @@ def test_grads_write_of_the_wrong_shape_is_a_value_error(dp):
     ([np.zeros(3, object)], TypeError, "float32 or float64"),
     ([[1.0, 2.0]], TypeError, "must be a NumPy or CuPy array, got list"),
     ([np.zeros((4, 4))[:, 1]], ValueError, "C-contiguous"),
+    (np.zeros(3), TypeError, r"pass a sequence of arrays \(got one ndarray: use \[array\]\)"),
 ])
 def test_bad_params(params, error, match):
     with pytest.raises(error, match=match):
@@ -65,13 +66,26 @@ def test_object_buffers_are_a_type_error():
         DataParallel([np.zeros(2)], comm=MPI.COMM_SELF, buffers=[np.zeros(2, object)])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
-    ({"broadcast_from": 1}, "broadcast_from"),
+def test_read_only_params_are_a_value_error():
+    param = np.zeros(2)
+    param.flags.writeable = False
+    with pytest.raises(ValueError, match=r"params\[0\] is read-only"):
+        DataParallel([param], comm=MPI.COMM_SELF)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be > 0, got 0"),
+    ({"broadcast_from": 1}, ValueError, r"broadcast_from must be a rank in \[0, 1\), got 1"),
+    ({"broadcast_from": 0.5}, TypeError, "broadcast_from must be an int rank, got 0.5"),
+    ({"broadcast_from": False}, TypeError, "broadcast_from must be an int rank, got False"),
 ])
-def test_bad_options_are_value_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_options(kwargs, error, match):
+    with pytest.raises(error, match=match):
         DataParallel([np.zeros(2)], comm=MPI.COMM_SELF, **kwargs)
+
+
+def test_a_numpy_integer_broadcast_from_is_a_rank():
+    DataParallel([np.zeros(2)], comm=MPI.COMM_SELF, broadcast_from=np.int64(0))
 
 
 def test_nested_steps_are_a_runtime_error(dp):
@@ -119,5 +133,4 @@ def test_join_shorthand_and_exception_in_a_step(dp):
                 dp.mark_ready(0)
                 dp.mark_ready(1)  # starts the bucket: the failed step must complete it
                 raise KeyError("in the step")
-    assert dp.divide_by_initial_world_size is False
     assert outstanding_requests() == 0

@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 
 from ..buffers import zeros_like
-from ..comm import Work
 
 __all__ = ["Bucket", "GradientViews", "make_buckets"]
 
@@ -16,13 +15,11 @@ __all__ = ["Bucket", "GradientViews", "make_buckets"]
 class Bucket:
     """One flat gradient buffer and the parameters whose gradients live in it."""
 
-    __slots__ = ("flat", "members", "unready", "work", "_zeros")
+    __slots__ = ("flat", "members", "_zeros")
 
     def __init__(self, like: Any, members: list[int], sizes: list[int]) -> None:
         self.flat = zeros_like(like, sum(sizes))  # on the device and of the kind of `like`
         self.members = members  # parameter indices, in fill (reverse parameter) order
-        self.unready = len(members)  # members not yet marked ready in this step
-        self.work: Work | None = None  # the allreduce of this step, once started
         self._zeros: np.ndarray | None = None
 
     @property

@@ -2,22 +2,33 @@
 
 Wire schedule of one active step (a joined rank's main hook shadows exactly this):
 
-1. the heartbeat (Join's, when ``dp`` is the first joinable); the step waits for it, which
-   gives ``n``, the number of active ranks;
-2. only when ``n < size``: the step control, ``Iallreduce(int64[size + 1], SUM)`` of
-   ``[syncs?, one-hot(rank)]``; joined ranks send zeros.  It tells joined ranks whether this
-   step synchronises gradients and which ranks are active (``n``, and the highest active
-   rank, the root of the buffer broadcast);
+1. the heartbeat (Join's, when ``dp`` is the first joinable), started when the step starts.  The
+   step waits for it, which gives ``n``, the number of active ranks, only where ``n`` is first
+   needed: before the buffer broadcast when there are buffers (at the step's start), else before
+   the first bucket (in ``mark_ready`` or at the step's end).  With even inputs the heartbeat
+   thus completes in the shadow of the backward pass, and the step has no synchronisation point
+   that plain data parallelism does not have;
+2. only when ``n < size``, the step control, two allreduces started together:
+   ``Iallreduce(int64[4], SUM)`` of ``[active, syncs, votes for dividing by the world size,
+   votes for dividing by the active ranks]`` (active ranks send ``[1, syncs, 0, 0]``, joined
+   ranks ``[0, 0, d, 1 - d]`` from their Join's ``divide_by_initial_world_size``) and
+   ``Iallreduce(int64[1], MAX)`` of the rank (joined ranks send -1): the count, the sync flag,
+   the divisor and the highest active rank, the root of the buffer broadcast.  Its size does not
+   grow with the number of ranks;
 3. when there are buffers: one ``Ibcast`` per buffer from the highest active rank;
 4. when the step synchronises: one ``Iallreduce(IN_PLACE, SUM)`` per bucket, in bucket order.
 
-With even inputs a step therefore costs the heartbeat, the bucket allreduces and nothing else.
+With even inputs a step therefore costs the heartbeat, the bucket allreduces and nothing else;
+both divisors are then the world size.  A step that fails on every rank (the same bug
+everywhere) agrees on the number of buckets the furthest rank started; every rank starts the
+ones it lacks and completes them all, so nothing stays pending and the next Join works.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import numbers
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -26,13 +37,19 @@ from mpi4py import MPI
 from ..algorithms.comm_joinable import CommJoinable
 from ..algorithms.join import Join, JoinHook
 from ..buffers import device_of, is_device_array
-from ..comm import iallgather, iallreduce, ibcast
+from ..comm import Work, iallgather, iallreduce, ibcast
 from .buckets import GradientViews, make_buckets
 
 __all__ = ["DataParallel"]
 
+# Codes of the construction check: what a rank refused locally, agreed before any broadcast.
+_ERRORS = (None, TypeError, ValueError)
 
-def _check_arrays(arrays: Sequence[Any], name: str, floating: bool) -> list[Any]:
+
+def _check_arrays(arrays: Any, name: str, floating: bool) -> list[Any]:
+    if isinstance(arrays, np.ndarray) or is_device_array(arrays):
+        raise TypeError(f"{name}: pass a sequence of arrays (got one "
+                        f"{type(arrays).__name__}: use [array])")
     arrays = list(arrays)
     for i, array in enumerate(arrays):
         if not (isinstance(array, np.ndarray) or is_device_array(array)):
@@ -44,6 +61,9 @@ def _check_arrays(arrays: Sequence[Any], name: str, floating: bool) -> list[Any]
             raise TypeError(f"{name}[{i}] has dtype object, which MPI cannot send")
         if not array.flags.c_contiguous:
             raise ValueError(f"{name}[{i}] must be C-contiguous (use numpy.ascontiguousarray)")
+        if not getattr(array.flags, "writeable", True):
+            raise ValueError(f"{name}[{i}] is read-only: DataParallel writes it on every rank "
+                             "(broadcasts from other ranks, in-place updates)")
     return arrays
 
 
@@ -55,18 +75,66 @@ def _one_device(arrays: list[Any]) -> str:
     return devices.pop() if devices else "cpu"
 
 
+def _check_rank(value: Any, name: str, size: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int rank, got {value!r}")
+    if not 0 <= value < size:
+        raise ValueError(f"{name} must be a rank in [0, {size}), got {value!r}")
+    return int(value)
+
+
+def _layout_digest(params: list[Any], buffers: list[Any]) -> int:
+    layout = [(a.shape, a.dtype.str) for a in params], [(a.shape, a.dtype.str) for a in buffers]
+    digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
+    return int(np.frombuffer(digest, dtype=np.int64)[0])
+
+
+def _groups(values: list[int]) -> list[list[int]]:
+    """Ranks grouped by equal value, for error messages."""
+    groups: dict[int, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return sorted(groups.values())
+
+
+class _Step:
+    """The state of one step on this rank, active or shadowing.
+
+    ``syncs`` is this rank's wish until the step is resolved (the heartbeat's count known, the
+    step control exchanged if needed), then the agreed value; ``works`` are the started bucket
+    allreduces in bucket order, so ``len(works)`` is the cursor of the next bucket to start.
+    """
+
+    __slots__ = ("number", "heartbeat", "resolved", "syncs", "root", "divisor", "ready",
+                 "unready", "works")
+
+    def __init__(self, number: int, heartbeat: Work | None, syncs: bool,
+                 params: int, bucket_sizes: list[int]) -> None:
+        self.number = number
+        self.heartbeat = heartbeat  # waited for at most once, where its count is first needed
+        self.resolved = False
+        self.syncs = syncs
+        self.root = -1  # the highest active rank, once resolved
+        self.divisor = 0  # what a summed bucket is divided by, once resolved
+        self.ready = np.zeros(params, dtype=bool)  # mark_ready flags per parameter
+        self.unready = list(bucket_sizes)  # members not yet marked ready, per bucket
+        self.works: list[Work] = []
+
+
 class DataParallel(CommJoinable):
     """Average gradients over ranks, in buckets, with uneven numbers of batches per rank.
 
     Collective over `comm`: every rank constructs it, with the same parameter shapes and
-    dtypes; the constructor broadcasts `params` and `buffers` from `broadcast_from`.
+    dtypes, `bucket_cap_mb` and `broadcast_from`; the constructor checks that (and every
+    rank's arguments) before it broadcasts `params` and `buffers` from `broadcast_from`, so a
+    misuse on any rank raises on every rank.
 
     Parameters
     ----------
     params : sequence of arrays
         The trained arrays (NumPy or CuPy, all on one device), owned and updated in place by
-        the caller; C-contiguous float32 or float64 (one bucket set per dtype).  Buckets,
-        zeroing and averaging stay on that device.
+        the caller; writeable, C-contiguous float32 or float64 (one bucket set per dtype).
+        Buckets, zeroing and averaging stay on that device.
     comm : mpi4py.MPI.Intracomm, optional
         Defaults to ``MPI.COMM_WORLD``; see
         :class:`~tensorplay_mpi.algorithms.comm_joinable.CommJoinable`.
@@ -74,7 +142,7 @@ class DataParallel(CommJoinable):
         Largest bucket in MiB (a larger parameter gets a bucket of its own).
     broadcast_from : int, default 0
         The rank whose params and buffers every rank starts from.
-    buffers : sequence of numpy.ndarray, default ()
+    buffers : sequence of arrays, default ()
         Non-trained state (running statistics, ...): broadcast at each step start from the
         highest active rank.
     timeout : float, optional
@@ -85,6 +153,16 @@ class DataParallel(CommJoinable):
     grads : GradientViews
         One gradient per parameter, shaped like it: zero-copy views into the buckets.  Write
         the local gradient there during a step; after the step it holds the average.
+
+    Raises
+    ------
+    TypeError
+        On every rank, if a rank passed one array instead of a sequence, a non-array, integer
+        or object params, or a `broadcast_from` that is not an int.
+    ValueError
+        On every rank, if a rank passed non-contiguous or read-only arrays, arrays on several
+        devices, ``bucket_cap_mb <= 0``, a `broadcast_from` that is not a rank, or if ranks
+        passed different shapes/dtypes, `bucket_cap_mb` or `broadcast_from`.
 
     Examples
     --------
@@ -108,47 +186,58 @@ class DataParallel(CommJoinable):
         timeout: float | None = None,
     ) -> None:
         super().__init__(comm, timeout)
-        self.params = _check_arrays(params, "params", floating=True)
-        self.buffers = _check_arrays(buffers, "buffers", floating=False)
-        self.device = _one_device(self.params + self.buffers)
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
-        if not 0 <= broadcast_from < self.size:
-            raise ValueError(f"broadcast_from must be a rank in [0, {self.size}), got "
-                             f"{broadcast_from!r}")
-        self._steps = 0
-        self._check_same_on_every_rank()
+        refused = None
+        try:
+            self.params = _check_arrays(params, "params", floating=True)
+            self.buffers = _check_arrays(buffers, "buffers", floating=False)
+            self.device = _one_device(self.params + self.buffers)
+            if not bucket_cap_mb > 0:
+                raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+            broadcast_from = _check_rank(broadcast_from, "broadcast_from", self.size)
+        except (TypeError, ValueError) as error:
+            refused = error
+        self._check_same_on_every_rank(refused, broadcast_from, bucket_cap_mb)
         self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20)
         self.grads = GradientViews(views)
         self._broadcast(self.params + self.buffers, broadcast_from, "initial broadcast")
 
-        self.divide_by_initial_world_size = True  # set by join_hook() from the Join's kwargs
-        self._control = np.zeros(self.size + 1, dtype=np.int64)
-        self._ready = np.zeros(len(self.params), dtype=bool)
         self._sync = True  # False inside no_sync()
-        self._in_step = False
-        self._step_syncs = True
-        self._active = self.size
-        self._next_bucket = 0  # buckets below it have started their allreduce in this step
+        self._steps = 0
+        self._step: _Step | None = None  # the step in progress
+        self._counts = np.zeros(4, dtype=np.int64)  # the step control's buffers
+        self._highest = np.zeros(1, dtype=np.int64)
 
     # -- construction --------------------------------------------------------------------
 
-    def _check_same_on_every_rank(self) -> None:
-        layout = [(a.shape, a.dtype.str) for a in self.params], [
-            (a.shape, a.dtype.str) for a in self.buffers]
-        digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
-        mine = np.frombuffer(digest, dtype=np.int64).copy()
-        every = np.empty(self.size, dtype=np.int64)
-        self._wait(iallgather(self.comm, mine, every, "parameter layout check"))
-        if (every != every[0]).any():
-            groups: dict[int, list[int]] = {}
-            for rank, value in enumerate(every.tolist()):
-                groups.setdefault(value, []).append(rank)
+    def _check_same_on_every_rank(self, refused: Exception | None, broadcast_from: int,
+                                  bucket_cap_mb: float) -> None:
+        """The construction check: one allgather of what each rank refused and passed."""
+        mine = np.zeros(4, dtype=np.int64)
+        if refused is None:
+            mine[1:] = (_layout_digest(self.params, self.buffers), broadcast_from,
+                        np.float64(bucket_cap_mb).view(np.int64))
+        else:
+            mine[0] = 1 if isinstance(refused, TypeError) else 2
+        every = np.empty((self.size, 4), dtype=np.int64)
+        self._wait(iallgather(self.comm, mine, every, "construction check"))
+        if refused is not None:
+            raise type(refused)(f"rank {self.rank}: {refused}") from None
+        if every[:, 0].any():
+            first = int(np.flatnonzero(every[:, 0])[0])
+            raise _ERRORS[int(every[first, 0])](
+                f"rank {self.rank}: rank(s) {np.flatnonzero(every[:, 0]).tolist()} refused "
+                "their DataParallel arguments (see their error); this rank's were valid")
+        if (every[:, 1] != every[0, 1]).any():
             raise ValueError(
                 f"rank {self.rank}: ranks passed different parameter or buffer shapes/dtypes "
-                f"(ranks that agree: {sorted(groups.values())}); this rank has params "
-                f"{layout[0]} and buffers {layout[1]}"
-            )
+                f"(ranks that agree: {_groups(every[:, 1].tolist())}); this rank has params "
+                f"{[(a.shape, a.dtype.str) for a in self.params]} and buffers "
+                f"{[(a.shape, a.dtype.str) for a in self.buffers]}")
+        for column, name in ((2, "broadcast_from"), (3, "bucket_cap_mb")):
+            values = every[:, column] if column == 2 else every[:, column].view(np.float64)
+            if (values != values[0]).any():
+                raise ValueError(f"rank {self.rank}: ranks passed different {name} values "
+                                 f"(by rank: {values.tolist()}); pass the same on every rank")
 
     def _broadcast(self, arrays: list[np.ndarray], root: int, what: str) -> None:
         self._wait_all([ibcast(self.comm, a, root, f"{what} {i + 1} of {len(arrays)}")
@@ -166,7 +255,7 @@ class DataParallel(CommJoinable):
 
         Every active rank must use it for the same steps (checked when a rank has joined).
         """
-        if self._in_step:
+        if self._step is not None:
             raise RuntimeError("no_sync() must be entered outside a step, around dp.step()")
         previous, self._sync = self._sync, False
         try:
@@ -188,55 +277,8 @@ class DataParallel(CommJoinable):
         the ranks with more batches then wait forever in their bucket allreduce, as they
         would with plain MPI; use a Join.
         """
-        if self._in_step:
+        if self._step is not None:
             raise RuntimeError("dp.step() is already active: steps cannot nest")
-        self._begin_step()
-        self._in_step = True
-        try:
-            yield self
-        except BaseException as error:
-            if self._guard.settle(error).intact:
-                self._wait_started_buckets()  # never leave a request behind
-            raise
-        else:
-            self._finish_buckets()
-        finally:
-            self._in_step = False
-
-    def mark_ready(self, index: int) -> None:
-        """Gradient `index` is final for this step: its bucket may start reducing now.
-
-        Call it during the backward pass to overlap communication with computation.
-        Buckets start in bucket order on every rank, whatever the order of the calls.
-        """
-        if not self._in_step:
-            raise RuntimeError("mark_ready() is only valid inside dp.step()")
-        if not 0 <= index < len(self.params):
-            raise IndexError(f"parameter index {index} out of range [0, {len(self.params)})")
-        if self._ready[index]:
-            raise RuntimeError(f"mark_ready({index}) was already called in this step")
-        self._ready[index] = True
-        if self._step_syncs:
-            self._buckets[self._bucket_of[index]].unready -= 1
-            self._start_ready_buckets()
-
-    def _start_ready_buckets(self) -> None:
-        """Start the next buckets whose gradients are all ready, one in flight at a time.
-
-        MPI progresses a nonblocking collective only inside MPI calls: this test of the
-        bucket in flight, made at every mark_ready(), is where the overlap happens.  One
-        bucket at a time: concurrent large allreduces run slower than back-to-back ones
-        (``make bench``).
-        """
-        buckets = self._buckets
-        while self._next_bucket < len(buckets) and buckets[self._next_bucket].unready == 0:
-            if self._next_bucket and not buckets[self._next_bucket - 1].work.is_completed():
-                return
-            self._start_bucket(self._next_bucket)
-
-    # -- the active side --------------------------------------------------------------------
-
-    def _begin_step(self) -> None:
         heartbeat = Join.notify_join_context(self)
         join = self.join_context
         if heartbeat is None and join is not None and join.enabled \
@@ -244,60 +286,157 @@ class DataParallel(CommJoinable):
             raise RuntimeError("DataParallel must be the first joinable of its Join: "
                                "Join([dp, ...])")
         self._steps += 1
-        active = self.size
-        if heartbeat is not None:
-            active = self._wait(heartbeat)
-        self._step_syncs, root = self._sync, self.size - 1
-        if active < self.size:
-            self._step_syncs, root, active = self._exchange_control(self._sync)
-        self._active = active
-        self._broadcast(self.buffers, root, "buffer broadcast")
-        self._ready[:] = False
-        for bucket in self._buckets:
-            bucket.unready = len(bucket.members)
-        self._next_bucket = 0
+        self._step = _Step(self._steps, heartbeat, self._sync, len(self.params),
+                           [len(b.members) for b in self._buckets])
+        try:
+            if self.buffers:
+                self._resolve()  # the forward pass reads the broadcast buffers
+            yield self
+            self._finish_buckets()
+        except BaseException as error:
+            self._recover(error)
+            raise
+        finally:
+            self._step = None
 
-    def _exchange_control(self, syncs: bool | None) -> tuple[bool, int, int]:
-        """The step control (see the module docstring); `syncs` is None on a joined rank."""
-        control = self._control
-        control[:] = 0
-        if syncs is not None:
-            control[0] = int(syncs)
-            control[1 + self.rank] = 1
-        self._wait(iallreduce(self.comm, MPI.IN_PLACE, control, MPI.SUM,
-                              f"step control (step {self._steps})"))
-        active_ranks = np.flatnonzero(control[1:])
-        active, syncing = len(active_ranks), int(control[0])
+    def mark_ready(self, index: int) -> None:
+        """Gradient `index` is final for this step: its bucket may start reducing now.
+
+        Call it during the backward pass to overlap communication with computation.
+        Buckets start in bucket order on every rank, whatever the order of the calls.
+        """
+        step = self._step
+        if step is None:
+            raise RuntimeError("mark_ready() is only valid inside dp.step()")
+        if not 0 <= index < len(self.params):
+            raise IndexError(f"parameter index {index} out of range [0, {len(self.params)})")
+        if step.ready[index]:
+            raise RuntimeError(f"mark_ready({index}) was already called in this step")
+        step.ready[index] = True
+        step.unready[self._bucket_of[index]] -= 1
+        if step.syncs:
+            self._start_ready_buckets(step)
+
+    def _start_ready_buckets(self, step: _Step) -> None:
+        """Start the next buckets whose gradients are all ready, one in flight at a time.
+
+        MPI progresses a nonblocking collective only inside MPI calls: this test of the
+        bucket in flight, made at every mark_ready(), is where the overlap happens.  One
+        bucket at a time: concurrent large allreduces run slower than back-to-back ones
+        (``make bench``).
+        """
+        works = step.works
+        while len(works) < len(self._buckets) and step.unready[len(works)] == 0:
+            if works and not works[-1].is_completed():
+                return
+            self._resolve()  # the first bucket needs the heartbeat's count (and agreed syncs)
+            self._start_bucket(step, len(works))
+
+    # -- one step, on the active and the joined side ------------------------------------------
+
+    def _resolve(self) -> None:
+        """Learn who is active in this step where it is first needed (module docstring, 1-3).
+
+        Waits for the heartbeat; when a rank has joined, exchanges the step control; then
+        broadcasts the buffers from the highest active rank.  Once per step.
+        """
+        step = self._step
+        if step.resolved:
+            return
+        step.resolved = True
+        active = self.size if step.heartbeat is None else self._wait(step.heartbeat)
+        if active < self.size:
+            self._exchange_control(step, None)
+        else:
+            step.root, step.divisor = self.size - 1, self.size
+        if self.buffers:
+            self._broadcast(self.buffers, step.root, "buffer broadcast")
+
+    def _exchange_control(self, step: _Step, divide_by_world: bool | None) -> None:
+        """The step control; `divide_by_world` is a joined rank's Join option, None if active."""
+        counts, highest = self._counts, self._highest
+        if divide_by_world is None:
+            counts[:], highest[0] = (1, int(step.syncs), 0, 0), self.rank
+        else:
+            counts[:], highest[0] = (0, 0, int(divide_by_world), int(not divide_by_world)), -1
+        what = f"step control (step {step.number})"
+        self._wait_all([iallreduce(self.comm, MPI.IN_PLACE, counts, MPI.SUM, f"{what}: counts"),
+                        iallreduce(self.comm, MPI.IN_PLACE, highest, MPI.MAX,
+                                   f"{what}: highest active rank")])
+        active, syncing, by_world, by_active = counts.tolist()
         if syncing not in (0, active):
             raise RuntimeError(
                 f"{syncing} of {active} active ranks synchronise gradients in this step: every "
-                "active rank must use dp.no_sync() for the same steps"
-            )
-        return syncing > 0, int(active_ranks[-1]), active
+                "active rank must use dp.no_sync() for the same steps")
+        if by_world and by_active:
+            raise ValueError(
+                f"joined ranks passed different divide_by_initial_world_size to their Join "
+                f"({by_world} True, {by_active} False): pass the same on every rank")
+        step.syncs, step.root = syncing > 0, int(highest[0])
+        step.divisor = active if by_active else self.size
 
-    def _start_bucket(self, k: int, shadow: bool = False) -> None:
+    def _start_bucket(self, step: _Step, k: int, shadow: bool = False) -> None:
         bucket = self._buckets[k]
         sendbuf = bucket.zeros if shadow else MPI.IN_PLACE
-        bucket.work = iallreduce(self.comm, sendbuf, bucket.flat, MPI.SUM,
-                                 f"bucket {k + 1} of {len(self._buckets)} (step {self._steps})")
-        self._next_bucket = k + 1
+        step.works.append(iallreduce(
+            self.comm, sendbuf, bucket.flat, MPI.SUM,
+            f"bucket {k + 1} of {len(self._buckets)} (step {step.number})"))
 
     def _finish_buckets(self, shadow: bool = False) -> None:
         """Start the buckets not started yet (a joined rank: all, sending zeros), then average."""
-        if not self._step_syncs:
+        self._resolve()
+        step = self._step
+        if not step.syncs:
             return
-        divisor = self.size if self.divide_by_initial_world_size else self._active
-        last = len(self._buckets) - 1
+        works, last = step.works, len(self._buckets) - 1
         for k, bucket in enumerate(self._buckets):
-            if self._next_bucket == k:
-                self._start_bucket(k, shadow)
-            self._wait(bucket.work)
-            if self._next_bucket == k + 1 and k < last:
-                self._start_bucket(k + 1, shadow)  # posted before this bucket's division
-            bucket.flat /= divisor
+            if len(works) == k:
+                self._start_bucket(step, k, shadow)
+            self._wait(works[k])
+            if len(works) == k + 1 and k < last:
+                self._start_bucket(step, k + 1, shadow)  # posted before this bucket's division
+            bucket.flat /= step.divisor
 
-    def _wait_started_buckets(self) -> None:
-        self._wait_all(bucket.work for bucket in self._buckets[:self._next_bucket])
+    def _recover(self, error: BaseException) -> None:
+        """A step's failure path: agree with every rank, complete what the furthest one started.
+
+        When every rank failed on its own the communicator is intact, but the ranks may have
+        started different numbers of buckets (``mark_ready`` overlap): each starts the ones it
+        lacks (their content no longer matters) and waits for all of them.
+        """
+        step = self._step
+        verdict = self._guard.settle(error, progress=len(step.works))
+        if verdict.intact:
+            while len(step.works) < verdict.progress:
+                self._start_bucket(step, len(step.works))
+            self._wait_all(step.works)
+
+    def _shadow_step(self, divide_by_world: bool) -> None:
+        """One active step as a joined rank takes part in it (the hook's main_hook)."""
+        self._steps += 1
+        self._step = step = _Step(self._steps, None, False, len(self.params), [])
+        step.resolved = True
+        try:
+            self._exchange_control(step, divide_by_world)
+            self._broadcast(self.buffers, step.root, "buffer broadcast")
+            self._finish_buckets(shadow=True)
+        except BaseException as error:
+            self._recover(error)
+            raise
+        finally:
+            self._step = None
+
+    def _final_broadcast(self, is_last_joiner: bool) -> None:
+        """Broadcast from the highest last joiner: buffers always, params unless all are last.
+
+        Buffers are updated locally in every step, so they differ after the last one; params
+        differ only on ranks that joined early (they skipped updates).
+        """
+        flags = np.array([self.rank if is_last_joiner else -1, int(not is_last_joiner)],
+                         dtype=np.int64)
+        self._wait(iallreduce(self.comm, MPI.IN_PLACE, flags, MPI.MAX, "last joiner"))
+        stale = self.params + self.buffers if flags[1] else self.buffers
+        self._broadcast(stale, int(flags[0]), "final broadcast")
 
     # -- Joinable -----------------------------------------------------------------------------
 
@@ -309,34 +448,21 @@ class DataParallel(CommJoinable):
         ----------
         divide_by_initial_world_size : bool, default True
             Average over the world size (True) or over the ranks active in the step (False).
+            The hook carries it; joined ranks tell active ones in the step control (with every
+            rank active both divisors are the world size).
         """
-        self.divide_by_initial_world_size = bool(divide_by_initial_world_size)
-        return _DataParallelHook(self)
-
+        return _DataParallelHook(self, bool(divide_by_initial_world_size))
 
 
 class _DataParallelHook(JoinHook):
-    def __init__(self, dp: DataParallel) -> None:
+    def __init__(self, dp: DataParallel, divide_by_initial_world_size: bool) -> None:
         self.dp = dp
+        self.divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
         """Shadow one active step; the averaged gradients land in this rank's ``dp.grads``."""
-        dp = self.dp
-        dp._steps += 1
-        dp._step_syncs, root, dp._active = dp._exchange_control(None)
-        dp._broadcast(dp.buffers, root, "buffer broadcast")
-        dp._next_bucket = 0
-        dp._finish_buckets(shadow=True)
+        self.dp._shadow_step(self.divide_by_initial_world_size)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Broadcast from the highest last joiner: buffers always, params unless all are last.
-
-        Buffers are updated locally in every step, so they differ after the last one; params
-        differ only on ranks that joined early (they skipped updates).
-        """
-        dp = self.dp
-        flags = np.array([dp.rank if is_last_joiner else -1, int(not is_last_joiner)],
-                         dtype=np.int64)
-        dp._wait(iallreduce(dp.comm, MPI.IN_PLACE, flags, MPI.MAX, "last joiner"))
-        stale = dp.params + dp.buffers if flags[1] else dp.buffers
-        dp._broadcast(stale, int(flags[0]), "final broadcast")
+        """Make every rank's params and buffers those of the highest last joiner."""
+        self.dp._final_broadcast(is_last_joiner)
