@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Iterable
 
+import numpy as np
 from mpi4py import MPI
 
-from ..comm import Work, check_comm, default_comm, resolve_timeout
+from ..comm import Work, check_comm, default_comm, iallgather, resolve_timeout
 from ..guard import Guard
 from .join import Joinable
 
@@ -48,6 +50,23 @@ class CommJoinable(Joinable):
     def _wait_all(self, works: Iterable[Work]) -> None:
         for work in works:
             work.wait_or_abort(self.timeout)
+
+    def _check_same_layout(self, layout: Any, what: str, mine: str) -> None:
+        """Raise ``ValueError`` on every rank unless every rank passed an equal `layout`.
+
+        Collective over ``comm``: one ``Iallgather`` of an int64 digest of ``repr(layout)``.
+        `what` names the layout in the error, `mine` describes this rank's.
+        """
+        digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
+        every = np.empty(self.size, dtype=np.int64)
+        self._wait(iallgather(self.comm, np.frombuffer(digest, dtype=np.int64).copy(), every,
+                              f"{what} check"))
+        if (every != every[0]).any():
+            groups: dict[int, list[int]] = {}
+            for rank, value in enumerate(every.tolist()):
+                groups.setdefault(value, []).append(rank)
+            raise ValueError(f"rank {self.rank}: ranks passed different {what} (ranks that "
+                             f"agree: {sorted(groups.values())}); this rank has {mine}")
 
     @property
     def join_device(self) -> str:

@@ -17,7 +17,6 @@ With even inputs a step therefore costs the heartbeat, the bucket allreduces and
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -26,7 +25,7 @@ from mpi4py import MPI
 from ..algorithms.comm_joinable import CommJoinable
 from ..algorithms.join import Join, JoinHook
 from ..buffers import device_of, is_device_array
-from ..comm import iallgather, iallreduce, ibcast
+from ..comm import iallreduce, ibcast
 from .buckets import GradientViews, make_buckets
 
 __all__ = ["DataParallel"]
@@ -119,7 +118,7 @@ class DataParallel(CommJoinable):
         self._steps = 0
         self._check_same_on_every_rank()
         self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20)
-        self.grads = GradientViews(views)
+        self.grads = GradientViews(views, owner=self)
         self._broadcast(self.params + self.buffers, broadcast_from, "initial broadcast")
 
         self.divide_by_initial_world_size = True  # set by join_hook() from the Join's kwargs
@@ -134,21 +133,10 @@ class DataParallel(CommJoinable):
     # -- construction --------------------------------------------------------------------
 
     def _check_same_on_every_rank(self) -> None:
-        layout = [(a.shape, a.dtype.str) for a in self.params], [
-            (a.shape, a.dtype.str) for a in self.buffers]
-        digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
-        mine = np.frombuffer(digest, dtype=np.int64).copy()
-        every = np.empty(self.size, dtype=np.int64)
-        self._wait(iallgather(self.comm, mine, every, "parameter layout check"))
-        if (every != every[0]).any():
-            groups: dict[int, list[int]] = {}
-            for rank, value in enumerate(every.tolist()):
-                groups.setdefault(value, []).append(rank)
-            raise ValueError(
-                f"rank {self.rank}: ranks passed different parameter or buffer shapes/dtypes "
-                f"(ranks that agree: {sorted(groups.values())}); this rank has params "
-                f"{layout[0]} and buffers {layout[1]}"
-            )
+        params, buffers = ([(a.shape, a.dtype.str) for a in arrays]
+                           for arrays in (self.params, self.buffers))
+        self._check_same_layout((params, buffers), "parameter or buffer shapes/dtypes",
+                                f"params {params} and buffers {buffers}")
 
     def _broadcast(self, arrays: list[np.ndarray], root: int, what: str) -> None:
         self._wait_all([ibcast(self.comm, a, root, f"{what} {i + 1} of {len(arrays)}")
@@ -300,6 +288,11 @@ class DataParallel(CommJoinable):
         self._wait_all(bucket.work for bucket in self._buckets[:self._next_bucket])
 
     # -- Joinable -----------------------------------------------------------------------------
+
+    def end_iteration(self) -> None:
+        """Before each heartbeat, on every rank: every stateful optimizer bound to
+        ``dp.grads`` must be in the Join (``RuntimeError`` naming ``Join([dp, opt])``)."""
+        self.grads.check_consumers(self.join_context)
 
     def join_hook(self, *, divide_by_initial_world_size: bool = True,
                   **kwargs: Any) -> JoinHook:
