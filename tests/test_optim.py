@@ -300,3 +300,35 @@ def test_a_stateful_optimizer_on_dp_grads_missing_from_the_join_raises():
             dp.grads[0][...] = 1.0
         stateless.step()
     assert np.array_equal(params[0], np.full(3, 0.9))
+
+
+# -- CuPy: one fused kernel per rule (make gpu-check) -----------------------------------------
+
+def _gpu():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pass
+    pytest.skip("no CUDA GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(HYPER))
+def test_cupy_kernels_follow_the_rule(kind):
+    cupy = _gpu()
+    cls, hyper = optimizer(kind)
+    params, grads_per_step = problem()
+    params = [cupy.asarray(p) for p in params] + [cupy.asarray(np.array(0.7))]
+    grads = [cupy.zeros_like(p) for p in params]
+    opt = cls(params, grads, **hyper)
+    for step_grads in grads_per_step:
+        for g, new in zip(grads, step_grads + [np.array(0.3)]):
+            g[...] = cupy.asarray(new)
+        opt.step()
+    host, host_grads = problem()
+    expected = textbook(kind, hyper, host + [np.array(0.7)],
+                        [s + [np.array(0.3)] for s in host_grads])
+    assert all(type(p) is cupy.ndarray for p in params)
+    assert_params_close([cupy.asnumpy(p) for p in params], expected)

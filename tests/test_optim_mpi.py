@@ -204,3 +204,26 @@ def test_stateless_sgd_may_stay_out_of_the_join(comm, pattern):
     expected = 1.0 - 0.1 * sum(average)
     assert_all(error is None and np.allclose(params[0], expected, rtol=1e-12),
                f"{error!r}, {params[0]} != {expected}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", UNEVEN + ["even"])
+@pytest.mark.parametrize("bucket_cap_mb", [1e-6, 25.0])
+def test_dataparallel_averages_0d_params(comm, pattern, bucket_cap_mb):
+    inputs = inputs_of(pattern, comm.size)
+    params = [np.array(1.0 + comm.rank), np.ones(2), np.array(3.0)]
+    dp = DataParallel(params, comm=comm, bucket_cap_mb=bucket_cap_mb)
+    got = []
+    with Join([dp]):
+        for t in range(inputs[comm.rank]):
+            with dp.step():
+                for i, g in enumerate(dp.grads):
+                    g[...] = (comm.rank + 1) * (i + 1) * (t + 1)
+            got.append([g.copy() for g in dp.grads])
+    ok = params[0].shape == () and params[0] == 1.0 and all(g.shape == () for g in got[0][::2]) \
+        if got else params[0] == 1.0
+    for t, grads in enumerate(got):
+        active = sum(r + 1 for r in range(comm.size) if inputs[r] > t)
+        for i, g in enumerate(grads):
+            ok = ok and np.allclose(g, active * (i + 1) * (t + 1) / comm.size, rtol=1e-14)
+    assert_all(ok, f"averages {got}")
