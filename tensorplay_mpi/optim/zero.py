@@ -95,7 +95,8 @@ class ZeroRedundancyOptimizer(CommJoinable):
         self.owners = partition([p.nbytes for p in self.params], self.size)
         self.shard = [i for i, owner in enumerate(self.owners) if owner == self.rank]
         self.local = optimizer_class([self.params[i] for i in self.shard],
-                                     [grads[i] for i in self.shard], **defaults)
+                                     [grads[i] for i in self.shard], comm=self.comm,
+                                     **defaults)
         self._consolidated: dict[str, Any] | None = None
         if isinstance(views, GradientViews):
             views.add_consumer(self)  # DataParallel's Joins must list this optimizer too
