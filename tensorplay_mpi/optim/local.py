@@ -38,12 +38,16 @@ def check_params(params: list[Any], grads: list[Any]) -> None:
             raise ValueError(f"grads[{i}] has shape {g.shape}, params[{i}] has {p.shape}")
         if p.dtype.kind != "f":
             raise TypeError(f"params[{i}] must be floating point, got {p.dtype}")
-        if not (p.flags.c_contiguous and p.flags.writeable):
+        if not (p.flags.c_contiguous and is_writeable(p)):
             raise ValueError(f"params[{i}] must be C-contiguous and writable (it is updated "
                              "in place)")
 
 
-def _default_comm(grads: Any) -> MPI.Intracomm:
+def is_writeable(array: Any) -> bool:
+    return getattr(array.flags, "writeable", True)  # CuPy's flags have no such field
+
+
+def comm_of_grads(grads: Any) -> MPI.Intracomm:
     """The communicator of the DataParallel owning `grads` (``dp.grads``), else the default."""
     owner = grads.owner if isinstance(grads, GradientViews) else None
     return default_comm() if owner is None else owner.comm
@@ -88,7 +92,7 @@ class Optimizer(Joinable):
                  comm: MPI.Intracomm | None = None, **defaults: Any) -> None:
         super().__init__()
         self._grad_views = grads if isinstance(grads, GradientViews) else None
-        self.comm = check_comm(_default_comm(grads) if comm is None else comm)
+        self.comm = check_comm(comm_of_grads(grads) if comm is None else comm)
         self.params = list(params)
         self.grads = list(grads)
         check_params(self.params, self.grads)
@@ -112,7 +116,7 @@ class Optimizer(Joinable):
     def _step(self) -> None:
         hyper = self._hyper(self.steps + 1)
         self.steps += 1
-        if hyper["max_grad_norm"] is not None:
+        if hyper.get("max_grad_norm") is not None:
             clip_grad_norm(self.grads, hyper["max_grad_norm"])
         for i, g in enumerate(self.grads):
             self._update(i, g.reshape(-1), hyper)

@@ -18,7 +18,7 @@ from ..buffers import device_of, zeros_like
 from ..comm import Work, ibcast, irecv, isend
 from ..parallel.buckets import GradientViews
 from .clip import clip_grad_norm
-from .local import Adam, Optimizer, _default_comm, check_params
+from .local import Adam, Optimizer, comm_of_grads, is_writeable, check_params
 
 __all__ = ["ZeroRedundancyOptimizer", "partition"]
 
@@ -73,12 +73,11 @@ class ZeroRedundancyOptimizer(CommJoinable):
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  optimizer_class: type[Optimizer] = Adam, comm: MPI.Intracomm | None = None,
                  timeout: float | None = None, **defaults: Any) -> None:
-        super().__init__(_default_comm(grads) if comm is None else comm, timeout)
+        super().__init__(comm_of_grads(grads) if comm is None else comm, timeout)
         self.params = list(params)
         views, grads = grads, list(grads)
         self._check_same_layout(
-            ([(p.shape, p.dtype.str, p.flags.c_contiguous, p.flags.writeable)
-              for p in self.params],
+            ([(p.shape, p.dtype.str, p.flags.c_contiguous, is_writeable(p)) for p in self.params],
              [g.shape for g in grads], optimizer_class.__qualname__,
              [(k, getattr(v, "__qualname__", v)) for k, v in sorted(defaults.items())]),
             "parameters, gradients or optimizer settings",
@@ -184,6 +183,8 @@ class ZeroRedundancyOptimizer(CommJoinable):
                              f"{len(self.params)}")
         shard = dict(state_dict, state={k: state[i] for k, i in enumerate(self.shard)})
         self.local.load_state_dict(shard)
+        for group in [self.local.defaults, *self.local.param_groups]:
+            group["max_grad_norm"] = None  # ZeRO clips all gradients, never a shard
 
     # -- Joinable ------------------------------------------------------------------------------
 
