@@ -97,6 +97,7 @@ class GradientViews(Sequence):
 
     def add_consumer(self, consumer: Any) -> None:
         """Register `consumer` (an optimizer holding state): it must be in every Join."""
+        self._consumers = [ref for ref in self._consumers if ref() is not None]
         self._consumers.append(weakref.ref(consumer))
 
     def check_consumers(self, join: Any) -> None:
