@@ -67,8 +67,17 @@ def _blocks(a: np.ndarray):
 
 def sgd(p: Any, g: Any, buf: Any | None, scratch: Scratch, lr: float, momentum: float,
         weight_decay: float, nesterov: bool) -> None:
-    """``d = g + weight_decay * p``; with `buf`: ``buf = momentum * buf + d`` and
-    ``d = d + momentum * buf`` (Nesterov) or ``d = buf``; then ``p -= lr * d``."""
+    """One SGD step, in place: ``d = g + weight_decay * p``; with `buf`,
+    ``buf = momentum * buf + d`` and ``d = d + momentum * buf`` (Nesterov) or ``d = buf``;
+    then ``p -= lr * d``.
+
+    Parameters
+    ----------
+    p, g, buf : flat arrays of one dtype and size
+        Parameter and momentum buffer (updated), gradient (read); `buf` None: no momentum.
+    scratch : Scratch
+        Reused blocks (NumPy only).
+    """
     cupy = _cupy_of(p)
     if cupy is not None:
         if buf is None:
@@ -104,6 +113,13 @@ def adam(p: Any, g: Any, m: Any, v: Any, scratch: Scratch, lr: float, beta1: flo
     ``m = beta1 m + (1 - beta1) g``, ``v = beta2 v + (1 - beta2) g^2`` and
     ``p -= lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps * sqrt(1 - beta2^t))``,
     which is ``p -= lr * m_hat / (sqrt(v_hat) + eps)``.
+
+    Parameters
+    ----------
+    p, g, m, v : flat arrays of one dtype and size
+        Parameter and moments (updated), gradient (read).
+    scratch : Scratch
+        Reused blocks (NumPy only).
     """
     root = math.sqrt(1.0 - beta2 ** step)
     step_size = lr * root / (1.0 - beta1 ** step)
