@@ -7,9 +7,9 @@ moved), scaled to the arrays a step must move: 7 for Adam and AdamW (read p, g, 
 m, v), 5 for SGD with momentum (read p, g, b; write p, b).  Every timing is the median over
 interleaved repeats (floor, Adam, AdamW, SGD, floor, ...) in one process; targets: Adam and
 AdamW <= 2.0, SGD with momentum <= 1.5.  The ratio of the fastest repeats is reported too: on a
-shared machine it is the better estimate of the uncontended cost.  ``adam_whole_arrays`` is the same Adam written with
-whole-array expressions (a temporary per operation, the library's code before the block-wise
-rules), for comparison.
+shared machine it is the better estimate of the uncontended cost.  ``adam_whole_arrays`` is the
+same Adam written with whole-array expressions (a temporary per operation, the library's code
+before the block-wise rules), for comparison.
 """
 
 from __future__ import annotations

@@ -160,7 +160,8 @@ def test_a_0d_param_steps_as_the_same_param_of_shape_1(kind):
     again.load_state_dict(state0)  # a TypeError before: the state were NumPy scalars
     loaded = again.state_dict()["state"][0]
     assert again.steps == 5 and loaded.keys() == state0["state"][0].keys()
-    assert all(np.array_equal(a, state0["state"][0][k]) and a.shape == () for k, a in loaded.items())
+    assert all(np.array_equal(a, state0["state"][0][k]) and a.shape == ()
+               for k, a in loaded.items())
 
 
 # -- hyperparameters between steps, blocks, no temporaries ----------------------------------------
