@@ -118,6 +118,7 @@ bench: venv
 	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_zero.py \
 	    --out benchmarks/results/zero-$$n-ranks.json || exit 1; \
 	done
+	OPENBLAS_NUM_THREADS=1 $(PY) benchmarks/bench_optim.py --out benchmarks/results/optim.json
 	@for n in 2 4; do \
 	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_jc.py \
 	    --out benchmarks/results/jc-$$n-ranks.json || exit 1; \

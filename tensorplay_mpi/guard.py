@@ -180,6 +180,10 @@ class Guard:
         self._settled = (error, verdict)
         return verdict
 
+    def forget_settled(self) -> None:
+        """Drop the latest settled exception (a Join's exit: nothing settles it again)."""
+        self._settled = None
+
     def _agree(self, error: BaseException, progress: int) -> Verdict:
         grace = settings().grace
         deadline = time.monotonic() + grace

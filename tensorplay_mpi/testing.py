@@ -36,6 +36,7 @@ __all__ = ["assert_all", "raises_everywhere", "PATTERNS", "inputs_of", "active_c
            "mpiexec_path", "run_mpi", "run_at_sizes", "debug_mode"]
 
 _verdicts: MPI.Intracomm | None = None  # COMM_WORLD's private duplicate for verdicts
+_debug_by_plugin = False  # the pytest plugin turned debug mode on
 
 
 def assert_all(ok: Any, detail: Any = "") -> None:
@@ -138,6 +139,8 @@ def run_mpi(nprocs: int, args: Sequence[str], timeout: float = 120,
             environ.pop(name, None)
         else:
             environ[name] = value
+    if _debug_by_plugin and "TENSORPLAY_MPI_DEBUG" not in env:
+        environ.pop("TENSORPLAY_MPI_DEBUG", None)  # the plugin's setting stays in-process
     cmd = [launcher, "-n", str(nprocs), sys.executable, "-m", "mpi4py", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environ)
 
@@ -173,9 +176,15 @@ def debug_mode(enabled: bool = True) -> None:
 
 
 def pytest_configure(config: Any) -> None:
-    """Debug mode on in tests, unless ``TENSORPLAY_MPI_DEBUG`` says otherwise."""
+    """Debug mode on in tests, unless ``TENSORPLAY_MPI_DEBUG`` says otherwise.
+
+    Programs that :func:`run_mpi` launches do not inherit it: they run as users run them,
+    unless the test passes ``TENSORPLAY_MPI_DEBUG`` itself.
+    """
+    global _debug_by_plugin
     if "TENSORPLAY_MPI_DEBUG" not in os.environ:
         debug_mode(True)
+        _debug_by_plugin = True
 
 
 def _comm() -> Iterator[MPI.Intracomm]:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import mpiexec_path, run_mpi
+from helpers import mpiexec_path, results, run_mpi
 
 PROGRAM = str(Path(__file__).parent / "programs" / "failures.py")
 RANKS = [2, 3, 4]
@@ -23,11 +23,6 @@ def run_failing(nprocs, mode, timeout=60, **env):
     start = time.monotonic()
     result = run_mpi(nprocs, [PROGRAM, mode], timeout=timeout, **env)
     return result, time.monotonic() - start
-
-
-def results(stdout):
-    """{rank: outcome} from the RESULT lines."""
-    return {int(r): text for r, text in re.findall(r"^RESULT rank=(\d+) (.*)$", stdout, re.M)}
 
 
 @pytest.mark.parametrize("nprocs", RANKS)
@@ -133,8 +128,9 @@ def test_an_uncaught_exception_without_mpi4py_run_aborts_the_job(opt_out, ends):
 
 
 def test_a_timeout_names_the_likely_causes_and_nothing_follows_it():
-    result = run_mpi(2, [MISUSE, "forgotten"], timeout=60, TENSORPLAY_MPI_TIMEOUT="3")
+    result = run_mpi(2, [MISUSE, "own"], timeout=60, TENSORPLAY_MPI_TIMEOUT="3")
     assert result.returncode != 0, result.stdout
     assert "CollectiveTimeoutError" in result.stderr, result.stderr
     assert "a joinable missing from the Join's list" in result.stderr
+    assert "a collective of your own" in result.stderr
     assert "has not completed yet" not in result.stderr, result.stderr

@@ -1,9 +1,14 @@
 """Local optimizers against the textbook formulas, their state dicts, and the ZeRO partition."""
 
+import math
+
 import numpy as np
 import pytest
 
-from tensorplay_mpi.optim import SGD, Adam, AdamW
+from textbook import HYPER, optimizer, step
+
+from tensorplay_mpi import DataParallel, Join
+from tensorplay_mpi.optim import SGD, Adam, AdamW, clip_grad_norm, rules
 from tensorplay_mpi.optim.zero import partition
 
 STEPS = 4
@@ -27,44 +32,22 @@ def run(optimizer_class, **hyper):
     return params
 
 
-def textbook_sgd(lr, momentum=0.0, weight_decay=0.0, nesterov=False):
-    params, grads_per_step = problem()
+def textbook(kind, hyper, params=None, grads_per_step=None):
+    """The textbook rule on `params` (default: problem()), one step per gradient set."""
+    if params is None:
+        params, grads_per_step = problem()
     out = []
     for i, p in enumerate(params):
-        p, buf = p.copy(), None
-        for step_grads in grads_per_step:
-            g = step_grads[i] + weight_decay * p
-            if momentum:
-                buf = g.copy() if buf is None else momentum * buf + g
-                g = g + momentum * buf if nesterov else buf
-            p = p - lr * g
-        out.append(p)
-    return out
-
-
-def textbook_adam(lr, betas, eps, weight_decay=0.0, decoupled=False):
-    params, grads_per_step = problem()
-    beta1, beta2 = betas
-    out = []
-    for i, p in enumerate(params):
-        p, m, v = p.copy(), np.zeros_like(p), np.zeros_like(p)
+        p, state = p.copy(), {}
         for t, step_grads in enumerate(grads_per_step, start=1):
-            g = step_grads[i]
-            if decoupled:
-                p = p - lr * weight_decay * p
-            else:
-                g = g + weight_decay * p
-            m = beta1 * m + (1 - beta1) * g
-            v = beta2 * v + (1 - beta2) * g ** 2
-            m_hat, v_hat = m / (1 - beta1 ** t), v / (1 - beta2 ** t)
-            p = p - lr * m_hat / (np.sqrt(v_hat) + eps)
+            p = step(kind, hyper, p, step_grads[i], state, t)
         out.append(p)
     return out
 
 
-def assert_params_close(actual, expected):
+def assert_params_close(actual, expected, rtol=1e-12):
     for a, e in zip(actual, expected):
-        np.testing.assert_allclose(a, e, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=1e-15)
 
 
 @pytest.mark.parametrize("hyper", [
@@ -74,18 +57,18 @@ def assert_params_close(actual, expected):
     {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.01},
 ])
 def test_sgd_is_the_textbook_rule(hyper):
-    assert_params_close(run(SGD, **hyper), textbook_sgd(**hyper))
+    assert_params_close(run(SGD, **hyper), textbook("sgd", hyper))
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_adam_is_the_textbook_rule(weight_decay):
     hyper = {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": weight_decay}
-    assert_params_close(run(Adam, **hyper), textbook_adam(**hyper))
+    assert_params_close(run(Adam, **hyper), textbook("adam", hyper))
 
 
 def test_adamw_decays_the_weights_apart_from_the_gradient():
     hyper = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
-    assert_params_close(run(AdamW, **hyper), textbook_adam(**hyper, decoupled=True))
+    assert_params_close(run(AdamW, **hyper), textbook("adamw", hyper))
 
 
 @pytest.mark.parametrize("optimizer_class, hyper", [
@@ -115,12 +98,19 @@ def test_state_dict_is_a_copy():
     assert not saved["state"][0]["exp_avg"].any()
 
 
+def read_only(array):
+    array.flags.writeable = False
+    return array
+
+
 @pytest.mark.parametrize("make, error, match", [
     (lambda p, g: SGD(p, g[:1], lr=0.1), ValueError, "2 params but 1 grads"),
     (lambda p, g: SGD(p, [g[1], g[0]], lr=0.1), ValueError, r"grads\[0\] has shape"),
     (lambda p, g: SGD([x.astype(int) for x in p], g, lr=0.1), TypeError, "floating point"),
     (lambda p, g: SGD(p, g, lr=-1), ValueError, "lr must be >= 0"),
     (lambda p, g: SGD(p, g, lr=0.1, nesterov=True), ValueError, "nesterov"),
+    (lambda p, g: SGD([x.T for x in p], [x.T for x in g], lr=0.1), ValueError, "C-contiguous"),
+    (lambda p, g: SGD([read_only(x) for x in p], g, lr=0.1), ValueError, "writable"),
     (lambda p, g: Adam(p, g, betas=(0.9, 1.0)), ValueError, "betas"),
     (lambda p, g: Adam(p, g, eps=-1.0), ValueError, "eps"),
 ])
@@ -145,3 +135,203 @@ def test_partition_is_deterministic_and_balanced():
     assert sum(loads) == sum(sizes) and max(loads) - min(loads) <= max(sizes)
     assert loads == [1000, 1000, 1000]
     assert partition([5, 5], 4) == [0, 1]  # more ranks than parameters: some own nothing
+
+
+# -- scalar (0-d) parameters ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", sorted(HYPER))
+def test_a_0d_param_steps_as_the_same_param_of_shape_1(kind):
+    cls, hyper = optimizer(kind)
+    scalar, vector = np.array(1.0), np.array([1.0])
+    grads = [[np.array(0.5 - 0.1 * t)] for t in range(5)]
+    g0, g1 = np.array(0.0), np.array([0.0])
+    opt0, opt1 = cls([scalar], [g0], **hyper), cls([vector], [g1], **hyper)
+    for (g,) in grads:
+        g0[...], g1[...] = g, g
+        opt0.step()
+        opt1.step()
+    assert scalar.shape == () and np.array_equal(scalar.reshape(1), vector)
+    assert_params_close([vector], textbook(kind, hyper, [np.array([1.0])], grads))
+    state0, state1 = opt0.state_dict(), opt1.state_dict()
+    for name, array in state1["state"][0].items():
+        assert state0["state"][0][name].shape == ()
+        assert np.array_equal(state0["state"][0][name].reshape(1), array)
+    again = cls([scalar.copy()], [g0], **hyper)
+    again.load_state_dict(state0)  # a TypeError before: the state were NumPy scalars
+    loaded = again.state_dict()["state"][0]
+    assert again.steps == 5 and loaded.keys() == state0["state"][0].keys()
+    assert all(np.array_equal(a, state0["state"][0][k]) and a.shape == ()
+               for k, a in loaded.items())
+
+
+# -- hyperparameters between steps, blocks, no temporaries ----------------------------------------
+
+@pytest.mark.parametrize("kind", ["sgd_momentum", "adamw"])
+def test_param_groups_schedule_the_learning_rate(kind):
+    cls, hyper = optimizer(kind)
+    params, grads_per_step = problem()
+    rates = [hyper["lr"] / (t + 1) for t in range(STEPS)]
+    expected = []
+    for i, p in enumerate(params):
+        p, state = p.copy(), {}
+        for t, step_grads in enumerate(grads_per_step, start=1):
+            p = step(kind, dict(hyper, lr=rates[t - 1]), p, step_grads[i], state, t)
+        expected.append(p)
+    set_by_hand, as_callable = [p.copy() for p in params], [p.copy() for p in params]
+    grads = [np.zeros_like(p) for p in params]
+    by_hand = cls(set_by_hand, grads, **hyper)
+    scheduled = cls(as_callable, grads, **dict(hyper, lr=lambda t: hyper["lr"] / t))
+    for t, step_grads in enumerate(grads_per_step):
+        for g, new in zip(grads, step_grads):
+            g[...] = new
+        by_hand.param_groups[0]["lr"] = rates[t]
+        by_hand.step()
+        scheduled.step()
+    assert_params_close(set_by_hand, expected)
+    assert_params_close(as_callable, expected)
+    assert by_hand.state_dict()["param_groups"][0]["lr"] == rates[-1]
+
+
+def test_bad_hyperparameters_set_between_steps_raise_at_the_step():
+    params, grads_per_step = problem()
+    sgd = SGD(params, grads_per_step[0], lr=0.1)
+    sgd.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr must be >= 0, got -1.0"):
+        sgd.step()
+    sgd.param_groups[0]["lr"] = 0.1
+    sgd.param_groups[0]["momentum"] = 0.9
+    with pytest.raises(ValueError, match="made without momentum"):
+        sgd.step()
+    adam = Adam(params, grads_per_step[0])
+    adam.param_groups[0]["betas"] = lambda t: (0.9, 1.0)
+    with pytest.raises(ValueError, match="betas"):
+        adam.step()
+    assert sgd.steps == 0
+
+
+@pytest.mark.parametrize("kind", ["sgd_nesterov", "adam_l2", "adamw"])
+def test_parameters_spanning_several_blocks(kind, monkeypatch):
+    monkeypatch.setattr(rules, "BLOCK_BYTES", 24)  # 3 float64 per block, a partial last one
+    cls, hyper = optimizer(kind)
+    params, grads_per_step = problem()
+    grads = [np.zeros_like(p) for p in params]
+    opt = cls(params, grads, **hyper)
+    for step_grads in grads_per_step:
+        for g, new in zip(grads, step_grads):
+            g[...] = new
+        opt.step()
+    assert_params_close(params, textbook(kind, hyper))
+
+
+@pytest.mark.parametrize("kind", ["sgd_momentum", "adam", "adamw"])
+def test_a_step_allocates_no_array(kind):
+    import tracemalloc
+    cls, hyper = optimizer(kind)
+    params = [np.ones(200_000), np.ones(3000, np.float32)]
+    grads = [np.full_like(p, 0.5) for p in params]
+    opt = cls(params, grads, **hyper)
+    opt.step()  # scratch is made in the first step
+    tracemalloc.start()
+    opt.step()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 10_000, f"a step allocated {peak} bytes"
+
+
+def test_float32_params_stay_float32_and_follow_the_rule():
+    params, grads_per_step = problem()
+    single = [p.astype(np.float32) for p in params]
+    grads = [np.zeros_like(p) for p in single]
+    opt = Adam(single, grads, **HYPER["adam"])
+    for step_grads in grads_per_step:
+        for g, new in zip(grads, step_grads):
+            g[...] = new
+        opt.step()
+    assert all(p.dtype == np.float32 for p in single)
+    assert all(a.dtype == np.float32 for s in opt.state for a in s.values())
+    assert_params_close(single, textbook("adam", HYPER["adam"]), rtol=1e-5)
+
+
+# -- clipping ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])
+def test_clip_grad_norm_returns_the_total_norm_and_scales_in_place(max_norm):
+    _, grads_per_step = problem()
+    grads = grads_per_step[0] + [np.array(2.0)]
+    original = [g.copy() for g in grads]
+    norm = math.sqrt(sum(float(np.sum(g ** 2)) for g in original))
+    assert clip_grad_norm(grads, max_norm) == pytest.approx(norm, rel=1e-12)
+    factor = min(1.0, max_norm / (norm + 1e-6))
+    for g, o in zip(grads, original):
+        np.testing.assert_allclose(g, o * factor, rtol=1e-12)
+    clipped = math.sqrt(sum(float(np.sum(g ** 2)) for g in grads))
+    assert clipped == pytest.approx(min(norm, max_norm), rel=1e-5)
+    assert grads[-1].shape == ()
+
+
+def test_clip_grad_norm_rejects_a_negative_max_norm():
+    with pytest.raises(ValueError, match="max_norm must be >= 0, got -1"):
+        clip_grad_norm([np.ones(2)], -1)
+
+
+# -- optimizers as Joinables (one rank; the MPI tests cover 2-4) ----------------------------------
+
+def test_join_needs_dataparallel_before_the_optimizer():
+    params = [np.ones(3)]
+    dp = DataParallel(params)
+    opt = Adam(params, dp.grads)
+    with pytest.raises(RuntimeError, match=r"Join\(\[dp, opt\]\)"):
+        with Join([opt, dp]):
+            pass
+    with pytest.raises(RuntimeError, match=r"Join\(\[dp, opt\]\)"):
+        with Join([Adam(params, [np.ones(3)])]):
+            pass
+
+
+def test_a_stateful_optimizer_on_dp_grads_missing_from_the_join_raises():
+    params = [np.ones(3)]
+    dp = DataParallel(params)
+    opt = Adam(params, dp.grads)
+    with pytest.raises(RuntimeError, match=r"Adam holds optimizer state .* Join\(\[dp, opt\]\)"):
+        with Join([dp]):
+            with dp.step():
+                pass
+    stateless = SGD(params, dp.grads, lr=0.1)
+    del opt
+    with Join([dp]):  # a collected optimizer and a stateless one are fine
+        with dp.step():
+            dp.grads[0][...] = 1.0
+        stateless.step()
+    assert np.array_equal(params[0], np.full(3, 0.9))
+
+
+# -- CuPy: one fused kernel per rule (make gpu-check) -----------------------------------------
+
+def _gpu():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pass
+    pytest.skip("no CUDA GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(HYPER))
+def test_cupy_kernels_follow_the_rule(kind):
+    cupy = _gpu()
+    cls, hyper = optimizer(kind)
+    params, grads_per_step = problem()
+    params = [cupy.asarray(p) for p in params] + [cupy.asarray(np.array(0.7))]
+    grads = [cupy.zeros_like(p) for p in params]
+    opt = cls(params, grads, **hyper)
+    for step_grads in grads_per_step:
+        for g, new in zip(grads, step_grads + [np.array(0.3)]):
+            g[...] = cupy.asarray(new)
+        opt.step()
+    host, host_grads = problem()
+    expected = textbook(kind, hyper, host + [np.array(0.7)],
+                        [s + [np.array(0.3)] for s in host_grads])
+    assert all(type(p) is cupy.ndarray for p in params)
+    assert_params_close([cupy.asnumpy(p) for p in params], expected)

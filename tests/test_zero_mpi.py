@@ -12,6 +12,7 @@ from tensorplay_mpi import SGD, Adam, DataParallel, Join, ZeroRedundancyOptimize
 OPTIMIZERS = {
     "adam": (Adam, {"lr": 0.05, "betas": (0.8, 0.99), "eps": 1e-8}),
     "sgd_momentum": (SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adam_clipped": (Adam, {"lr": 0.05, "max_grad_norm": 0.5}),  # all grads, never a shard
 }
 
 
@@ -32,7 +33,7 @@ def train(comm, inputs, optimizer, zero):
     else:
         opt = optimizer_class(params, dp.grads, **hyper)
     history = []
-    with Join([dp, opt] if zero else [dp]):
+    with Join([dp, opt]):
         for idx in rank_batches(inputs, comm.rank):
             with dp.step():
                 for i, g in enumerate(gradient(params, x[idx], y[idx])):
@@ -67,12 +68,13 @@ def test_zero_alone_keeps_stepping_the_shards_of_joined_ranks(comm, pattern, opt
     inputs = inputs_of(pattern, comm.size)
     params = many_params()
     grads = [np.sin(np.arange(p.size) + i).reshape(p.shape) for i, p in enumerate(params)]
+    fresh = [g.copy() for g in grads]  # clipping scales the grads in place at every step
     zero = ZeroRedundancyOptimizer(params, grads, optimizer_class, comm=comm, **hyper)
     with Join([zero]):
         for _ in range(inputs[comm.rank]):
             zero.step()
     expected = many_params()
-    reference = optimizer_class(expected, grads, **hyper)
+    reference = optimizer_class(expected, fresh, **hyper)
     for _ in range(max(inputs)):
         reference.step()
     assert_all(all_close(params, expected), "a shard fell behind")
@@ -131,3 +133,79 @@ def test_state_is_sharded(comm):
     total = comm.allreduce(zero.state_nbytes)
     assert_all(share <= 1 / comm.size + 0.05, f"this rank holds {share:.3f} of the state")
     assert_all(total == local.state_nbytes, f"shards add up to {total}")
+
+
+LAYOUTS = {  # what rank 1 passes instead of many_params(); every rank must raise ValueError
+    "order": lambda params: params[::-1],
+    "size": lambda params: params[:-1] + [np.zeros(2)],
+    "count": lambda params: params[:-1],
+    "dtype": lambda params: params[:-1] + [np.zeros(1, np.float32)],
+    "integer": lambda params: params[:-1] + [np.zeros(1, np.int64)],
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("change", sorted(LAYOUTS))
+def test_different_layouts_raise_on_every_rank(comm, change):
+    params = many_params()
+    if comm.rank == 1:
+        params = LAYOUTS[change](params)
+    try:
+        ZeroRedundancyOptimizer(params, [p.copy() for p in params], Adam, comm=comm)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    assert_all(error is not None and "ranks passed different parameters" in error,
+               f"got {error!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("settings", [(SGD, {"lr": 0.1}), (Adam, {"lr": 0.2})])
+def test_different_optimizer_settings_raise_on_every_rank(comm, settings):
+    optimizer_class, hyper = settings if comm.rank == 1 else (Adam, {"lr": 0.1})
+    params = many_params()
+    try:
+        ZeroRedundancyOptimizer(params, [p.copy() for p in params], optimizer_class, comm=comm,
+                                **hyper)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    assert_all(error is not None and "optimizer settings" in error, f"got {error!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_read_only_param_on_one_rank_raises_on_every_rank(comm):
+    params = many_params()
+    params[0].flags.writeable = comm.rank != 1
+    try:
+        ZeroRedundancyOptimizer(params, [p.copy() for p in params], Adam, comm=comm)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    assert_all(error is not None and "different parameters" in error, f"got {error!r}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_0d_params_shard_step_and_consolidate_as_shape_1(comm, optimizer):
+    optimizer_class, hyper = OPTIMIZERS[optimizer]
+    results = []
+    for shape in [(), (1,)]:
+        params = [np.full(shape, 1.0 + i) for i in range(2 * comm.size)]
+        grads = [np.full(shape, 0.5 - 0.1 * i) for i in range(len(params))]
+        zero = ZeroRedundancyOptimizer(params, grads, optimizer_class, comm=comm, **hyper)
+        for _ in range(5):
+            zero.step()
+        zero.consolidate_state_dict(to=comm.size - 1)
+        state = zero.state_dict() if comm.rank == comm.size - 1 else None
+        state = comm.bcast(state, root=comm.size - 1)
+        restored = ZeroRedundancyOptimizer(params, grads, optimizer_class, comm=comm, **hyper)
+        restored.load_state_dict(state)
+        restored.step()
+        results.append((params, state))
+    (p0, s0), (p1, s1) = results
+    same_params = all(a.shape == () and np.array_equal(a.reshape(1), b) for a, b in zip(p0, p1))
+    same_state = all(s0["state"][i][k].shape == () and
+                     np.array_equal(s0["state"][i][k].reshape(1), s1["state"][i][k])
+                     for i in s1["state"] for k in s1["state"][i])
+    assert_all(same_params and same_state and s0["steps"] == 5, "0-d differs from shape (1,)")

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Iterable
 
+import numpy as np
 from mpi4py import MPI
 
-from ..comm import Work, check_comm, default_comm, resolve_timeout
+from ..comm import Work, check_comm, default_comm, iallgather, resolve_timeout
 from ..guard import Guard
 from ..threads import limit_threads
 from .join import Joinable
 
 __all__ = ["CommJoinable"]
+
+_REFUSALS: tuple[type[Exception], ...] = (Exception, TypeError, ValueError)
+"""What a rank's own argument checks raised, by code (0: nothing)."""
+
+
+def _groups(values: list[int]) -> list[list[int]]:
+    """Ranks grouped by equal value, for error messages."""
+    groups: dict[int, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return sorted(groups.values())
 
 
 class CommJoinable(Joinable):
@@ -50,6 +63,42 @@ class CommJoinable(Joinable):
     def _wait_all(self, works: Iterable[Work]) -> None:
         for work in works:
             work.wait_or_abort(self.timeout)
+
+    def _check_arguments(self, refused: Exception | None, layout: Any, what: str, mine: str,
+                         **values: int | float) -> None:
+        """The construction check: raise on every rank unless every rank's arguments agree.
+
+        Collective over ``comm``: one ``Iallgather`` of ``int64[2 + len(values)]`` per rank:
+        what this rank refused (`refused`, the TypeError or ValueError its own checks raised),
+        a digest of `layout`, and each of `values`.  A rank that refused raises its own error;
+        the others raise the same kind naming it.  Then different layouts (`what` names them,
+        `mine` describes this rank's) or different `values` raise ``ValueError`` everywhere.
+        """
+        row = np.zeros(2 + len(values), dtype=np.int64)
+        if refused is None:
+            digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
+            row[1] = np.frombuffer(digest, dtype=np.int64)[0]
+            row[2:] = [np.float64(v).view(np.int64) for v in values.values()]
+        else:
+            row[0] = 1 if isinstance(refused, TypeError) else 2
+        every = np.empty((self.size, row.size), dtype=np.int64)
+        self._wait(iallgather(self.comm, row, every, f"{type(self).__name__} argument check"))
+        if refused is not None:
+            raise type(refused)(f"rank {self.rank}: {refused}") from None
+        refusing = np.flatnonzero(every[:, 0]).tolist()
+        if refusing:
+            raise _REFUSALS[int(every[refusing[0], 0])](
+                f"rank {self.rank}: rank(s) {refusing} refused their {type(self).__name__} "
+                "arguments (see their error); this rank's were valid")
+        if (every[:, 1] != every[0, 1]).any():
+            raise ValueError(f"rank {self.rank}: ranks passed different {what} (ranks that "
+                             f"agree: {_groups(every[:, 1].tolist())}); this rank has {mine}")
+        for column, (name, value) in enumerate(values.items(), start=2):
+            column_values = every[:, column].view(np.float64)
+            if (column_values != column_values[0]).any():
+                by_rank = [type(value)(v) for v in column_values.tolist()]
+                raise ValueError(f"rank {self.rank}: ranks passed different {name} values "
+                                 f"(by rank: {by_rank}); pass the same on every rank")
 
     @property
     def join_device(self) -> str:

@@ -323,6 +323,8 @@ class Join:
         finally:
             for joinable in self._joinables:
                 joinable._bound_join = None
+            if self._guard is not None:
+                self._guard.forget_settled()  # the exception, its frames and their objects
 
     def _settle(self, error: BaseException) -> None:
         """The failure path: agree with every rank; when every rank failed on its own, complete

@@ -1,53 +1,141 @@
-"""Local optimizers over NumPy (and CuPy) arrays: SGD, Adam, AdamW.
+"""Local optimizers over NumPy (and CuPy) arrays: SGD, Adam, AdamW — Joinables beside DataParallel.
 
 Each updates `params` in place from the bound `grads` (for example ``dp.grads``) on
 :meth:`Optimizer.step`.  The rules are PyTorch's (no dampening, no amsgrad), which are the
-textbook ones.  State arrays are allocated at construction, shaped like their parameter, so a
-state dict has the same layout before and after the first step.
+textbook ones; the arithmetic lives in :mod:`tensorplay_mpi.optim.rules`, shared with
+:class:`~tensorplay_mpi.optim.ZeroRedundancyOptimizer`.  State arrays are allocated at
+construction, shaped like their parameter (0-d included), so a state dict has the same layout
+before and after the first step.
+
+Under ``Join([dp, opt])`` a rank that has run out of inputs keeps stepping `opt` once per round,
+with the averaged gradients DataParallel's hook wrote into ``dp.grads``: params and state (step
+counts included) stay bitwise identical on every rank.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+from mpi4py import MPI
+
+from ..algorithms.join import Join, Joinable, JoinHook
+from ..buffers import device_of, zeros_like
+from ..comm import check_comm, default_comm
+from ..parallel.buckets import GradientViews
+from . import rules
 from ..threads import limit_threads
+from .clip import clip_grad_norm
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
 
 
-class Optimizer:
-    """Base class: bound params and grads, hyperparameters, per-parameter state arrays.
+def check_params(params: list[Any], grads: list[Any]) -> None:
+    """Raise unless `params` are writable, C-contiguous floating arrays shaped like `grads`."""
+    if len(params) != len(grads):
+        raise ValueError(f"got {len(params)} params but {len(grads)} grads")
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if p.shape != g.shape:
+            raise ValueError(f"grads[{i}] has shape {g.shape}, params[{i}] has {p.shape}")
+        if p.dtype.kind != "f":
+            raise TypeError(f"params[{i}] must be floating point, got {p.dtype}")
+        if not (p.flags.c_contiguous and is_writeable(p)):
+            raise ValueError(f"params[{i}] must be C-contiguous and writable (it is updated "
+                             "in place)")
 
-    Subclasses set :attr:`state_names` and implement :meth:`_update`.
+
+def is_writeable(array: Any) -> bool:
+    return getattr(array.flags, "writeable", True)  # CuPy's flags have no such field
+
+
+def comm_of_grads(grads: Any) -> MPI.Intracomm:
+    """The communicator of the DataParallel owning `grads` (``dp.grads``), else the default."""
+    owner = grads.owner if isinstance(grads, GradientViews) else None
+    return default_comm() if owner is None else owner.comm
+
+
+def _zeros_like(p: Any) -> Any:
+    return rules.aligned_zeros(p.shape, p.dtype) if type(p) is np.ndarray else zeros_like(p)
+
+
+class Optimizer(Joinable):
+    """Base class: bound params and grads, one group of hyperparameters, per-parameter state.
+
+    Subclasses set :attr:`state_names` and implement :meth:`_update` and :meth:`_checked`.
+
+    Attributes
+    ----------
+    comm : mpi4py.MPI.Intracomm
+        The :attr:`join_process_group`: the `comm` argument, else that of the DataParallel
+        whose ``dp.grads`` are the `grads`, else ``MPI.COMM_WORLD``.  A local optimizer never
+        communicates.
+    param_groups : list of dict
+        One group holding every parameter: its hyperparameters (``"lr"``, ...), read at each
+        step, so a schedule sets ``opt.param_groups[0]["lr"] = ...`` between steps (the same
+        value on every rank).  A value may also be a callable of the step number (from 1),
+        evaluated at each step: that is the way to schedule inside a Join, where a joined
+        rank's hook steps without the loop's code.  :attr:`defaults` keeps the constructor's
+        values.
+    steps : int
+        Steps taken (the ``t`` of Adam's bias correction).
+
+    Notes
+    -----
+    Every optimizer takes ``max_grad_norm`` (default None): when set, each step first clips the
+    gradients to that total norm (:func:`~tensorplay_mpi.optim.clip_grad_norm`).  Inside a
+    Join use it rather than clipping in the loop: a joined rank's hook steps without the loop's
+    code, so only clipping done by the optimizer happens there too.
     """
 
     state_names: tuple[str, ...] = ()
 
-    def __init__(self, params: Sequence[Any], grads: Sequence[Any], **defaults: Any) -> None:
+    def __init__(self, params: Sequence[Any], grads: Sequence[Any],
+                 comm: MPI.Intracomm | None = None, **defaults: Any) -> None:
+        super().__init__()
+        self._grad_views = grads if isinstance(grads, GradientViews) else None
+        self.comm = check_comm(comm_of_grads(grads) if comm is None else comm)
         self.params = list(params)
         self.grads = list(grads)
-        if len(self.params) != len(self.grads):
-            raise ValueError(f"got {len(self.params)} params but {len(self.grads)} grads")
-        for i, (p, g) in enumerate(zip(self.params, self.grads)):
-            if p.shape != g.shape:
-                raise ValueError(f"grads[{i}] has shape {g.shape}, params[{i}] has {p.shape}")
-            if p.dtype.kind != "f":
-                raise TypeError(f"params[{i}] must be floating point, got {p.dtype}")
-        for name in ("lr", "weight_decay", "momentum", "eps"):
-            if name in defaults and not defaults[name] >= 0:
-                raise ValueError(f"{name} must be >= 0, got {defaults[name]!r}")
-        self.defaults = defaults
+        check_params(self.params, self.grads)
+        self.defaults = dict(defaults)
+        self.param_groups = [dict(defaults)]
         self.steps = 0
         limit_threads()
-        self.state = [{name: p * 0 for name in self.state_names} for p in self.params]
+        self._hyper(1)
+        self.state = [{name: _zeros_like(p) for name in self.state_names} for p in self.params]
+        self._flat = [p.reshape(-1) for p in self.params]  # views: a 0-d param is (1,)
+        self._flat_state = [{k: a.reshape(-1) for k, a in s.items()} for s in self.state]
+        self._scratch = rules.Scratch()
+        if self._grad_views is not None and self.state_names:
+            self._grad_views.add_consumer(self)  # DataParallel then checks its Joins for us
+        self._checked_join: Join | None = None
 
     def step(self) -> None:
-        """Update every parameter in place from its gradient."""
-        self.steps += 1
-        for p, g, state in zip(self.params, self.grads, self.state):
-            self._update(p, g, state)
+        """Update every parameter in place from its gradient (local: no communication)."""
+        Join.notify_join_context(self)
+        self._step()
 
-    def _update(self, p: Any, g: Any, state: dict[str, Any]) -> None:
+    def _step(self) -> None:
+        hyper = self._hyper(self.steps + 1)
+        self.steps += 1
+        if hyper.get("max_grad_norm") is not None:
+            clip_grad_norm(self.grads, hyper["max_grad_norm"])
+        for i, g in enumerate(self.grads):
+            self._update(i, g.reshape(-1), hyper)
+
+    def _hyper(self, step: int) -> dict[str, Any]:
+        """The hyperparameters of step number `step`, callables evaluated, validated."""
+        group = {k: v(step) if callable(v) else v for k, v in self.param_groups[0].items()}
+        return self._checked(group)
+
+    def _checked(self, group: dict[str, Any]) -> dict[str, Any]:
+        """Validate the hyperparameters of `group` and return it."""
+        for name in ("lr", "weight_decay", "momentum", "eps", "max_grad_norm"):
+            if group.get(name) is not None and not group[name] >= 0:
+                raise ValueError(f"{name} must be >= 0, got {group[name]!r}")
+        return group
+
+    def _update(self, i: int, g: Any, hyper: dict[str, Any]) -> None:
         raise NotImplementedError
 
     @property
@@ -56,10 +144,11 @@ class Optimizer:
         return sum(a.nbytes for state in self.state for a in state.values())
 
     def state_dict(self) -> dict[str, Any]:
-        """A copy of the state: ``{"optimizer", "defaults", "steps", "state": {i: {...}}}``."""
+        """A copy: ``{"optimizer", "defaults", "param_groups", "steps", "state": {i: {...}}}``."""
         return {
             "optimizer": type(self).__name__,
             "defaults": dict(self.defaults),
+            "param_groups": [dict(group) for group in self.param_groups],
             "steps": self.steps,
             "state": {i: {k: a.copy() for k, a in s.items()} for i, s in enumerate(self.state)},
         }
@@ -82,42 +171,89 @@ class Optimizer:
                              f"{len(self.params)}")
         for i, mine in enumerate(self.state):
             for name, array in mine.items():
-                if state[i][name].shape != array.shape:
-                    raise ValueError(f"state[{i}][{name!r}] has shape {state[i][name].shape}, "
-                                     f"expected {array.shape}")
+                shape = tuple(getattr(state[i].get(name), "shape", (None,)))
+                if shape != array.shape:
+                    raise ValueError(f"state[{i}][{name!r}] has shape {shape}, expected "
+                                     f"{array.shape}")
         for i, mine in enumerate(self.state):
             for name, array in mine.items():
                 array[...] = state[i][name]
         self.defaults = dict(state_dict["defaults"])
+        self.param_groups = [dict(g) for g in state_dict.get("param_groups", [self.defaults])]
         self.steps = int(state_dict["steps"])
+
+    # -- Joinable ------------------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _OptimizerHook(self)
+
+    @property
+    def join_device(self) -> str:
+        return device_of(self.params[0]) if self.params else "cpu"
+
+    @property
+    def join_process_group(self) -> MPI.Intracomm:
+        return self.comm
+
+    def end_iteration(self) -> None:
+        """Check once per Join, on every rank, that the joinable writing the grads comes first."""
+        join = self.join_context
+        if join is not None and join is not self._checked_join:
+            self._check_place(join.joinables)
+            self._checked_join = join
+
+    def _check_place(self, joinables: tuple[Joinable, ...]) -> None:
+        me = next(k for k, j in enumerate(joinables) if j is self)
+        if self._grad_views is not None:
+            ok = any(j is self._grad_views.owner for j in joinables[:me])
+        else:
+            ok = me > 0
+        if not ok:
+            names = ", ".join(type(j).__name__ for j in joinables)
+            raise RuntimeError(
+                f"{type(self).__name__} steps with the gradients that a DataParallel averages, "
+                f"so that DataParallel must come before it in the Join: Join([dp, opt]) "
+                f"(got Join([{names}]))")
+
+
+class _OptimizerHook(JoinHook):
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def main_hook(self) -> None:
+        """Step once with the averaged gradients the earlier joinable's hook wrote."""
+        self.optimizer._step()
 
 
 class SGD(Optimizer):
     """Stochastic gradient descent with optional momentum, Nesterov and weight decay.
 
     ``g = grad + weight_decay * p``; with momentum ``b = momentum * b + g`` and
-    ``g = g + momentum * b`` (Nesterov) or ``g = b``; then ``p -= lr * g``.
+    ``g = g + momentum * b`` (Nesterov) or ``g = b``; then ``p -= lr * g``.  Without momentum
+    it holds no state.
     """
 
     def __init__(self, params, grads, lr: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False) -> None:
-        if nesterov and momentum <= 0:
-            raise ValueError("nesterov=True needs momentum > 0")
+                 weight_decay: float = 0.0, nesterov: bool = False,
+                 max_grad_norm: float | None = None, comm: MPI.Intracomm | None = None) -> None:
         self.state_names = ("momentum_buffer",) if momentum else ()
-        super().__init__(params, grads, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                         nesterov=nesterov)
+        super().__init__(params, grads, comm, lr=lr, momentum=momentum,
+                         weight_decay=weight_decay, nesterov=nesterov,
+                         max_grad_norm=max_grad_norm)
 
-    def _update(self, p, g, state):
-        lr, momentum, weight_decay, nesterov = (
-            self.defaults[k] for k in ("lr", "momentum", "weight_decay", "nesterov"))
-        if weight_decay:
-            g = g + weight_decay * p
-        if momentum:
-            buf = state["momentum_buffer"]
-            buf *= momentum
-            buf += g
-            g = g + momentum * buf if nesterov else buf
-        p -= lr * g
+    def _checked(self, group):
+        super()._checked(group)
+        if group["nesterov"] and group["momentum"] <= 0:
+            raise ValueError("nesterov=True needs momentum > 0")
+        if group["momentum"] and not self.state_names:
+            raise ValueError(f"momentum {group['momentum']!r} set on an SGD made without "
+                             "momentum (it has no momentum buffer): construct it with momentum")
+        return group
+
+    def _update(self, i, g, hyper):
+        buf = self._flat_state[i]["momentum_buffer"] if hyper["momentum"] else None
+        rules.sgd(self._flat[i], g, buf, self._scratch, hyper["lr"], hyper["momentum"],
+                  hyper["weight_decay"], hyper["nesterov"])
 
 
 class Adam(Optimizer):
@@ -130,27 +266,25 @@ class Adam(Optimizer):
     decoupled = False
 
     def __init__(self, params, grads, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
-        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        super().__init__(params, grads, lr=lr, betas=tuple(betas), eps=eps,
-                         weight_decay=weight_decay)
+                 eps: float = 1e-8, weight_decay: float = 0.0,
+                 max_grad_norm: float | None = None, comm: MPI.Intracomm | None = None) -> None:
+        super().__init__(params, grads, comm, lr=lr,
+                         betas=betas if callable(betas) else tuple(betas), eps=eps,
+                         weight_decay=weight_decay, max_grad_norm=max_grad_norm)
 
-    def _update(self, p, g, state):
-        lr, (beta1, beta2), eps, weight_decay = (
-            self.defaults[k] for k in ("lr", "betas", "eps", "weight_decay"))
-        if weight_decay and self.decoupled:
-            p *= 1.0 - lr * weight_decay
-        elif weight_decay:
-            g = g + weight_decay * p
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m *= beta1
-        m += (1.0 - beta1) * g
-        v *= beta2
-        v += (1.0 - beta2) * (g * g)
-        m_hat = m / (1.0 - beta1 ** self.steps)
-        v_hat = v / (1.0 - beta2 ** self.steps)
-        p -= lr * m_hat / (v_hat ** 0.5 + eps)
+    def _checked(self, group):
+        super()._checked(group)
+        betas = tuple(group["betas"])
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {group['betas']!r}")
+        return group
+
+    def _update(self, i, g, hyper):
+        state = self._flat_state[i]
+        beta1, beta2 = hyper["betas"]
+        rules.adam(self._flat[i], g, state["exp_avg"], state["exp_avg_sq"], self._scratch,
+                   hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"],
+                   self.decoupled, self.steps)
 
 
 class AdamW(Adam):
@@ -159,5 +293,7 @@ class AdamW(Adam):
     decoupled = True
 
     def __init__(self, params, grads, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
-        super().__init__(params, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+                 eps: float = 1e-8, weight_decay: float = 1e-2,
+                 max_grad_norm: float | None = None, comm: MPI.Intracomm | None = None) -> None:
+        super().__init__(params, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         max_grad_norm=max_grad_norm, comm=comm)

@@ -14,9 +14,11 @@ from mpi4py import MPI
 
 from ..algorithms.comm_joinable import CommJoinable
 from ..algorithms.join import Join, JoinHook
-from ..buffers import device_of
+from ..buffers import device_of, zeros_like
 from ..comm import Work, ibcast, irecv, isend
-from .local import Adam, Optimizer
+from ..parallel.buckets import GradientViews
+from .clip import clip_grad_norm
+from .local import Adam, Optimizer, comm_of_grads, is_writeable, check_params
 
 __all__ = ["ZeroRedundancyOptimizer", "partition"]
 
@@ -40,8 +42,9 @@ def partition(nbytes: Sequence[int], size: int) -> list[int]:
 class ZeroRedundancyOptimizer(CommJoinable):
     """Optimizer whose state is sharded over the ranks of `comm`.
 
-    Collective over `comm`: every rank constructs it with the same parameter shapes, and calls
-    :meth:`step` in the same iterations.
+    Collective over `comm`: every rank constructs it with the same parameter shapes, dtypes
+    and order, the same optimizer class and hyperparameters (checked: ``ValueError`` on every
+    rank otherwise), and calls :meth:`step` in the same iterations.
 
     Parameters
     ----------
@@ -51,9 +54,11 @@ class ZeroRedundancyOptimizer(CommJoinable):
     optimizer_class : type, default Adam
         A local optimizer class from :mod:`tensorplay_mpi.optim`; it runs on this rank's shard.
     comm, timeout
-        As for :class:`~tensorplay_mpi.algorithms.comm_joinable.CommJoinable`.
+        As for :class:`~tensorplay_mpi.algorithms.comm_joinable.CommJoinable`; `comm` defaults
+        to the communicator of the DataParallel whose ``dp.grads`` are the `grads`.
     **defaults
-        Hyperparameters of `optimizer_class` (``lr``, ``betas``, ...).
+        Hyperparameters of `optimizer_class` (``lr``, ``betas``, ...).  ``max_grad_norm``
+        clips all gradients (not only the shard's) to that total norm before each step.
 
     Notes
     -----
@@ -61,23 +66,46 @@ class ZeroRedundancyOptimizer(CommJoinable):
     that DataParallel's hook wrote into ``dp.grads`` and takes part in the parameter sync, so
     every shard advances as if its rank were active.  Call :meth:`step` once per iteration
     (per ``dp.step()``): accumulate gradients inside one step rather than with ``no_sync``.
+    Bound to ``dp.grads``, it must be in every Join of ``dp`` (checked, ``RuntimeError``).
+    Hyperparameters change between steps through :attr:`param_groups`, the same on every rank.
     """
 
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  optimizer_class: type[Optimizer] = Adam, comm: MPI.Intracomm | None = None,
                  timeout: float | None = None, **defaults: Any) -> None:
-        super().__init__(comm, timeout)
+        super().__init__(comm_of_grads(grads) if comm is None else comm, timeout)
         self.params = list(params)
-        grads = list(grads)
-        if len(grads) != len(self.params):
-            raise ValueError(f"got {len(self.params)} params but {len(grads)} grads")
+        views, grads = grads, list(grads)
+        layout = ([(p.shape, p.dtype.str, p.flags.c_contiguous, is_writeable(p))
+                   for p in self.params],
+                  [g.shape for g in grads], optimizer_class.__qualname__,
+                  [(k, getattr(v, "__qualname__", v)) for k, v in sorted(defaults.items())])
+        self._check_arguments(
+            None, layout,
+            "parameters, gradients or optimizer settings",
+            f"params {[(p.shape, p.dtype.str) for p in self.params]}, "
+            f"{len(grads)} grads and {optimizer_class.__name__}({defaults})")
+        # identical everywhere from here on, so every check below gives one verdict
+        check_params(self.params, grads)  # every param, not only this rank's shard
+        self.grads = grads
+        self.max_grad_norm = defaults.pop("max_grad_norm", None)  # of all grads, not a shard
+        if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
+            raise ValueError(f"max_grad_norm must be >= 0, got {self.max_grad_norm!r}")
         self.optimizer_class = optimizer_class
         self.device = device_of(self.params[0]) if self.params else "cpu"
         self.owners = partition([p.nbytes for p in self.params], self.size)
         self.shard = [i for i, owner in enumerate(self.owners) if owner == self.rank]
         self.local = optimizer_class([self.params[i] for i in self.shard],
-                                     [grads[i] for i in self.shard], **defaults)
+                                     [grads[i] for i in self.shard], comm=self.comm,
+                                     **defaults)
         self._consolidated: dict[str, Any] | None = None
+        if isinstance(views, GradientViews):
+            views.add_consumer(self)  # DataParallel's Joins must list this optimizer too
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The hyperparameters of this rank's shard optimizer, read at each step."""
+        return self.local.param_groups
 
     def step(self) -> None:
         """Step this rank's shard, then broadcast every parameter from its owner.
@@ -88,7 +116,9 @@ class ZeroRedundancyOptimizer(CommJoinable):
         self._step_shard_and_sync()
 
     def _step_shard_and_sync(self) -> None:
-        self.local.step()
+        if self.max_grad_norm is not None:
+            clip_grad_norm(self.grads, self.max_grad_norm)
+        self.local._step()
         self._wait_all([ibcast(self.comm, p, self.owners[i], f"parameter sync {i}")
                         for i, p in enumerate(self.params)])
 
@@ -120,7 +150,7 @@ class ZeroRedundancyOptimizer(CommJoinable):
                 if self.rank == owner:
                     works.append(isend(self.comm, full["state"][i][name], to, _TAG))
                 else:
-                    buf = full["state"][i][name] = self.params[i] * 0
+                    buf = full["state"][i][name] = zeros_like(self.params[i])
                     works.append(irecv(self.comm, buf, owner, _TAG))
         self._wait_all(works)
         if self.rank == to:
@@ -155,6 +185,8 @@ class ZeroRedundancyOptimizer(CommJoinable):
                              f"{len(self.params)}")
         shard = dict(state_dict, state={k: state[i] for k, i in enumerate(self.shard)})
         self.local.load_state_dict(shard)
+        for group in [self.local.defaults, *self.local.param_groups]:
+            group["max_grad_norm"] = None  # ZeRO clips all gradients, never a shard
 
     # -- Joinable ------------------------------------------------------------------------------
 

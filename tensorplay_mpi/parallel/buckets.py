@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,10 +76,43 @@ class GradientViews(Sequence):
 
     ``grads[i]`` is an array shaped like parameter ``i`` (use it as ``out=``, or write
     ``grads[i][...] = g``); ``grads[i] = g`` copies `g` into it after checking its shape.
+
+    Stateful optimizers bound to these gradients register as consumers: every Join of their
+    DataParallel must list them too (:meth:`check_consumers`).
     """
 
-    def __init__(self, views: list[np.ndarray]) -> None:
+    def __init__(self, views: list[np.ndarray], owner: Any = None) -> None:
         self._views = tuple(views)
+        self._owner = None if owner is None else weakref.ref(owner)
+        self._consumers: list[weakref.ref] = []
+        self._checked: weakref.ref | None = None  # the Join checked last
+
+    @property
+    def owner(self) -> Any:
+        """The DataParallel these gradients belong to (None if unknown or collected)."""
+        return None if self._owner is None else self._owner()
+
+    def add_consumer(self, consumer: Any) -> None:
+        """Register `consumer` (an optimizer holding state): it must be in every Join."""
+        self._consumers = [ref for ref in self._consumers if ref() is not None]
+        self._consumers.append(weakref.ref(consumer))
+
+    def check_consumers(self, join: Any) -> None:
+        """Raise ``RuntimeError`` if a live consumer is missing from `join` (once per Join).
+
+        Deterministic from the Join's list, so every rank raises at the same point.
+        """
+        if join is None or (self._checked is not None and self._checked() is join):
+            return
+        for ref in self._consumers:
+            consumer = ref()
+            if consumer is not None and not any(j is consumer for j in join.joinables):
+                name = type(consumer).__name__
+                raise RuntimeError(
+                    f"{name} holds optimizer state and steps with dp.grads, but it is not in "
+                    f"the Join: ranks that join early would skip its steps and the replicas "
+                    f"would diverge. List it after DataParallel: Join([dp, opt])")
+        self._checked = weakref.ref(join)
 
     def __len__(self) -> int:
         return len(self._views)

@@ -27,7 +27,6 @@ ones it lacks and completes them all, so nothing stays pending and the next Join
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import numbers
 from typing import Any, Iterator, Sequence
 
@@ -37,15 +36,12 @@ from mpi4py import MPI
 from ..algorithms.comm_joinable import CommJoinable
 from ..algorithms.join import Join, JoinHook
 from ..buffers import device_of, is_device_array
-from ..comm import Work, iallgather, iallreduce, ibcast
+from ..comm import Work, iallreduce, ibcast
 from .buckets import GradientViews, make_buckets
 
 __all__ = ["DataParallel"]
 
 # Codes of the construction check: what a rank refused locally, agreed before any broadcast.
-_ERRORS = (None, TypeError, ValueError)
-
-
 def _check_arrays(arrays: Any, name: str, floating: bool) -> list[Any]:
     if isinstance(arrays, np.ndarray) or is_device_array(arrays):
         raise TypeError(f"{name}: pass a sequence of arrays (got one "
@@ -81,20 +77,6 @@ def _check_rank(value: Any, name: str, size: int) -> int:
     if not 0 <= value < size:
         raise ValueError(f"{name} must be a rank in [0, {size}), got {value!r}")
     return int(value)
-
-
-def _layout_digest(params: list[Any], buffers: list[Any]) -> int:
-    layout = [(a.shape, a.dtype.str) for a in params], [(a.shape, a.dtype.str) for a in buffers]
-    digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
-    return int(np.frombuffer(digest, dtype=np.int64)[0])
-
-
-def _groups(values: list[int]) -> list[list[int]]:
-    """Ranks grouped by equal value, for error messages."""
-    groups: dict[int, list[int]] = {}
-    for rank, value in enumerate(values):
-        groups.setdefault(value, []).append(rank)
-    return sorted(groups.values())
 
 
 class _Step:
@@ -196,9 +178,13 @@ class DataParallel(CommJoinable):
             broadcast_from = _check_rank(broadcast_from, "broadcast_from", self.size)
         except (TypeError, ValueError) as error:
             refused = error
-        self._check_same_on_every_rank(refused, broadcast_from, bucket_cap_mb)
+        layout = ([(a.shape, a.dtype.str) for a in self.params],
+                  [(a.shape, a.dtype.str) for a in self.buffers]) if refused is None else None
+        self._check_arguments(refused, layout, "parameter or buffer shapes/dtypes",
+                              f"params {layout and layout[0]} and buffers {layout and layout[1]}",
+                              broadcast_from=broadcast_from, bucket_cap_mb=bucket_cap_mb)
         self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20)
-        self.grads = GradientViews(views)
+        self.grads = GradientViews(views, owner=self)
         self._broadcast(self.params + self.buffers, broadcast_from, "initial broadcast")
 
         self._sync = True  # False inside no_sync()
@@ -209,35 +195,6 @@ class DataParallel(CommJoinable):
 
     # -- construction --------------------------------------------------------------------
 
-    def _check_same_on_every_rank(self, refused: Exception | None, broadcast_from: int,
-                                  bucket_cap_mb: float) -> None:
-        """The construction check: one allgather of what each rank refused and passed."""
-        mine = np.zeros(4, dtype=np.int64)
-        if refused is None:
-            mine[1:] = (_layout_digest(self.params, self.buffers), broadcast_from,
-                        np.float64(bucket_cap_mb).view(np.int64))
-        else:
-            mine[0] = 1 if isinstance(refused, TypeError) else 2
-        every = np.empty((self.size, 4), dtype=np.int64)
-        self._wait(iallgather(self.comm, mine, every, "construction check"))
-        if refused is not None:
-            raise type(refused)(f"rank {self.rank}: {refused}") from None
-        if every[:, 0].any():
-            first = int(np.flatnonzero(every[:, 0])[0])
-            raise _ERRORS[int(every[first, 0])](
-                f"rank {self.rank}: rank(s) {np.flatnonzero(every[:, 0]).tolist()} refused "
-                "their DataParallel arguments (see their error); this rank's were valid")
-        if (every[:, 1] != every[0, 1]).any():
-            raise ValueError(
-                f"rank {self.rank}: ranks passed different parameter or buffer shapes/dtypes "
-                f"(ranks that agree: {_groups(every[:, 1].tolist())}); this rank has params "
-                f"{[(a.shape, a.dtype.str) for a in self.params]} and buffers "
-                f"{[(a.shape, a.dtype.str) for a in self.buffers]}")
-        for column, name in ((2, "broadcast_from"), (3, "bucket_cap_mb")):
-            values = every[:, column] if column == 2 else every[:, column].view(np.float64)
-            if (values != values[0]).any():
-                raise ValueError(f"rank {self.rank}: ranks passed different {name} values "
-                                 f"(by rank: {values.tolist()}); pass the same on every rank")
 
     def _broadcast(self, arrays: list[np.ndarray], root: int, what: str) -> None:
         self._wait_all([ibcast(self.comm, a, root, f"{what} {i + 1} of {len(arrays)}")
@@ -439,6 +396,11 @@ class DataParallel(CommJoinable):
         self._broadcast(stale, int(flags[0]), "final broadcast")
 
     # -- Joinable -----------------------------------------------------------------------------
+
+    def end_iteration(self) -> None:
+        """Before each heartbeat, on every rank: every stateful optimizer bound to
+        ``dp.grads`` must be in the Join (``RuntimeError`` naming ``Join([dp, opt])``)."""
+        self.grads.check_consumers(self.join_context)
 
     def join_hook(self, *, divide_by_initial_world_size: bool = True,
                   **kwargs: Any) -> JoinHook:
