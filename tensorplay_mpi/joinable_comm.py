@@ -25,7 +25,7 @@ Arguments are checked on every rank before any collective, the same way in both 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from mpi4py import MPI
@@ -37,7 +37,8 @@ from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_nam
 
 __all__ = ["JoinableComm"]
 
-_END, _ALLREDUCE, _ALLGATHER, _BCAST = 1, 2, 3, 4
+_END, _ALLREDUCE, _ALLGATHER, _BCAST, _REFUSED = 1, 2, 3, 4, 5
+_REFUSALS = (TypeError, ValueError)  # what a refused call raised (the op field of REFUSED)
 _DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
     np.float16, np.float32, np.float64, np.complex64, np.complex128))
@@ -91,6 +92,15 @@ def _dtype_code(dtype: np.dtype) -> int:
     if code is None:
         raise TypeError(f"JoinableComm cannot send dtype {dtype}")
     return code
+
+
+def _covered(fields: tuple) -> tuple:
+    """The announced fields that active ranks must agree on.
+
+    An allgather's dtype and row shape may differ in the announcement: the row headers
+    compare them and raise the same ValueError as when every rank is active.
+    """
+    return fields[:1] if fields[0] == _ALLGATHER else fields
 
 
 def _digest(values: tuple) -> int:
@@ -185,10 +195,16 @@ class JoinableComm(CommJoinable):
 
     # -- announcements -----------------------------------------------------------------------
 
+    def _refuse(self, error: Exception) -> NoReturn:
+        """Raise `error`, a bad argument; when ranks have joined, announce it to them first."""
+        if self._announces():
+            self._announce(_REFUSED, _REFUSALS.index(type(error)) + 1)
+        raise error
+
     def _announce(self, kind: int, op: int = 0, code: int = 0, root: int = -1, count: int = 0,
                   rows: int = 0) -> tuple:
         fields = (kind, op, code, root, count, rows)
-        digest = _digest(fields)
+        digest = _digest(_covered(fields))
         self._announcement[:] = fields + (digest, -digest, int(self.rank == root), self.rank)
         return self._exchange_announcement()
 
@@ -200,14 +216,16 @@ class JoinableComm(CommJoinable):
         values = tuple(self._announcement.tolist())
         kind, op, code, root, count, rows = fields = values[:_FIELDS]
         digest, negated = values[_FIELDS:_FIELDS + 2]
-        if digest != -negated or digest != _digest(fields):
+        if digest != -negated or digest != _digest(_covered(fields)):
             raise RuntimeError(
                 f"rank {self.rank}: the {what} is not one operation that every active rank "
                 "announced: active ranks issued different JoinableComm operations, or the "
                 "collectives of a Join's joinables did not run in the order of its list (a "
                 "JoinableComm operation inside dp.step(), say)")
-        if not (_END <= kind <= _BCAST and (kind == _END or 1 <= code <= len(_DTYPES))
-                and (kind != _ALLREDUCE or 1 <= op <= len(OPS)) and -1 <= root < self.size
+        data = kind in (_ALLREDUCE, _ALLGATHER, _BCAST)
+        if not ((data or kind in (_END, _REFUSED)) and (not data or 1 <= code <= len(_DTYPES))
+                and 0 <= op <= (len(OPS) if kind == _ALLREDUCE else len(_REFUSALS))
+                and (kind not in (_ALLREDUCE, _REFUSED) or op > 0) and -1 <= root < self.size
                 and count >= 0):
             raise RuntimeError(f"rank {self.rank}: the {what} is invalid: {values}")
         return values
@@ -222,9 +240,12 @@ class JoinableComm(CommJoinable):
         array (passing one saves an allocation per call); ``out=x`` reduces in place.  Inside
         a Join the library completes a Work that its caller drops when the iteration ends.
         """
-        x = self._array(x)
-        code, op_code = _dtype_code(x.dtype), _op_code(op)
-        out = _output(x, out)
+        try:
+            x = self._array(x)
+            code, op_code = _dtype_code(x.dtype), _op_code(op)
+            out = _output(x, out)
+        except (TypeError, ValueError) as error:
+            self._refuse(error)
         if self._announces():
             self._announce(_ALLREDUCE, op_code, code, count=x.size)
         send = MPI.IN_PLACE if out is x else x
@@ -241,11 +262,14 @@ class JoinableComm(CommJoinable):
         dimensions may not (``ValueError`` on every rank).  The row headers are exchanged (and
         waited for) first; the Work is the data's allgatherv.
         """
-        rows = self._array(rows)
-        if rows.ndim < 1:
-            raise ValueError(f"allgather needs rows of at least one dimension, got shape "
-                             f"{rows.shape}")
-        code = _dtype_code(rows.dtype)
+        try:
+            rows = self._array(rows)
+            if rows.ndim < 1:
+                raise ValueError(f"allgather needs rows of at least one dimension, got shape "
+                                 f"{rows.shape}")
+            code = _dtype_code(rows.dtype)
+        except (TypeError, ValueError) as error:
+            self._refuse(error)
         row_digest = _digest((code,) + rows.shape[1:])
         if self._announces():
             self._announce(_ALLGATHER, 0, code, count=math.prod(rows.shape[1:]),
@@ -279,14 +303,18 @@ class JoinableComm(CommJoinable):
         no rank) raises ``ValueError`` on every rank, joined ones included.  `out` (shaped and
         typed like `x`) receives the data; by default a new array.
         """
-        x = self._array(x)
-        code = _dtype_code(x.dtype)
-        out = _output(x, out)
-        highest = isinstance(root, str) and root == "highest_active"
-        if not highest and (isinstance(root, bool) or not isinstance(root, (int, np.integer))):
-            raise TypeError(f"root must be an int or 'highest_active', got {root!r}")
-        target = -1 if highest else int(root)
-        _check_root(target, highest or 0 <= target < self.size)
+        try:
+            x = self._array(x)
+            code = _dtype_code(x.dtype)
+            out = _output(x, out)
+            highest = isinstance(root, str) and root == "highest_active"
+            if not highest and (isinstance(root, bool)
+                                or not isinstance(root, (int, np.integer))):
+                raise TypeError(f"root must be an int or 'highest_active', got {root!r}")
+            target = -1 if highest else int(root)
+            _check_root(target, highest or 0 <= target < self.size)
+        except (TypeError, ValueError) as error:
+            self._refuse(error)
         if self._announces():
             values = self._announce(_BCAST, 0, code, target, x.size)
             target = values[-1] if highest else target
@@ -364,6 +392,10 @@ class _FollowAnnouncements(JoinHook):
                 jc._exchange_announcement())
             if kind == _END:
                 return
+            if kind == _REFUSED:
+                raise _REFUSALS[op - 1](
+                    f"rank {jc.rank}: the active ranks' JoinableComm call in {jc._where} had a "
+                    f"bad argument (they raised {_REFUSALS[op - 1].__name__})")
             dtype = _DTYPES[code - 1]
             if kind == _ALLREDUCE:
                 contribution, received = self._shadow_buffers(op, count, dtype)
