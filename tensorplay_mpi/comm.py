@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+import numpy as np
 from mpi4py import MPI
 
 from .buffers import Staging
@@ -105,18 +106,21 @@ class Work:
         Called once on completion; its return value is :meth:`result`.
     guard : tensorplay_mpi.guard.Guard, optional
         The guard of the operation's communicator, polled for failure notices while waiting.
+    value : optional
+        The :meth:`result` when there is no `finish`.
     """
 
     __slots__ = ("_request", "_what", "_keep", "_finish", "_result", "_done", "_guard")
 
     def __init__(self, request: MPI.Request, what: str, keep: tuple = (),
-                 finish: Callable[[], Any] | None = None, guard: Any = None) -> None:
+                 finish: Callable[[], Any] | None = None, guard: Any = None,
+                 value: Any = None) -> None:
         global _outstanding
         self._request = request
         self._what = what
         self._keep = keep
         self._finish = finish
-        self._result: Any = None
+        self._result: Any = value
         self._done = False
         self._guard = guard
         _outstanding += 1
@@ -191,13 +195,16 @@ class Work:
             return None
         guard = self._guard if poll else None
         start = time.monotonic()
-        spin = _SPIN_S + sum(getattr(b, "nbytes", 0) for b in self._keep) / _SPIN_BYTES_PER_S
+        spin, sized = _SPIN_S, False
         sleep, tests = _MIN_SLEEP_S, 0
         while not self.is_completed():
             tests += 1
             waited = time.monotonic() - start
             if waited >= timeout:
                 return waited
+            if waited >= spin and not sized:  # sized only when needed: most waits end sooner
+                spin += sum(getattr(b, "nbytes", 0) for b in self._keep) / _SPIN_BYTES_PER_S
+                sized = True
             if waited < spin:
                 if guard is not None and tests % _POLL_EVERY == 0:
                     guard.poll(self._what, start)
@@ -273,12 +280,17 @@ def check_comm(comm: Any, name: str = "comm") -> MPI.Intracomm:
 
 
 def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Request],
-           args: tuple, keep: tuple, result: Callable[[], Any] | None, staging: Staging,
-           signature: Callable[[], str] | None = None) -> Work:
-    """The one place where every library operation starts."""
+           args: tuple, keep: tuple, result: Callable[[], Any] | None, staging: Staging | None,
+           signature: Callable[[], str] | None = None, value: Any = None) -> Work:
+    """The one place where every library operation starts.
+
+    `staging` None: host buffers, nothing staged, the result is `value`.
+    """
     guard = comm.Get_attr(GUARD_KEYVAL)
     if guard is not None:
         guard.before_collective(kind, what, signature)
+    if staging is None:
+        return Work(start(*args), what, keep, None, guard, value)
     finish = result
     if staging.copies_back:
         def finish() -> Any:
@@ -318,6 +330,13 @@ def iallreduce(
 
     Collective over `comm`: every rank must call it.  `sendbuf` may be ``MPI.IN_PLACE``.
     """
+    def signature() -> str:
+        return f"allreduce {_describe(recvbuf)} op={op_name(op) or 'user-defined'}"
+
+    if finish is None and type(recvbuf) is np.ndarray and (
+            sendbuf is MPI.IN_PLACE or type(sendbuf) is np.ndarray):  # host: the fast path
+        return _start(comm, what, "allreduce", comm.Iallreduce, (sendbuf, recvbuf, op),
+                      (sendbuf, recvbuf), None, None, signature, recvbuf)
     staging = Staging()
     if sendbuf is MPI.IN_PLACE:
         args = (sendbuf, staging.update(recvbuf), op)
@@ -325,8 +344,7 @@ def iallreduce(
         args = (staging.read(sendbuf), staging.write(recvbuf), op)
     result = (lambda: recvbuf) if finish is None else (lambda: finish(recvbuf))
     return _start(comm, what, "allreduce", comm.Iallreduce, args, (sendbuf, recvbuf), result,
-                  staging,
-                  lambda: f"allreduce {_describe(recvbuf)} op={op_name(op) or 'user-defined'}")
+                  staging, signature)
 
 
 def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Work:
@@ -334,10 +352,16 @@ def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Wor
 
     Collective over `comm`: every rank must call it.
     """
+    def signature() -> str:
+        return f"bcast {_describe(buf)} root={root}"
+
+    if type(buf) is np.ndarray:  # host: the fast path
+        return _start(comm, what, "bcast", comm.Ibcast, (buf, root), (buf,), None, None,
+                      signature, buf)
     staging = Staging()
     mpi_buf = staging.read(buf) if comm.Get_rank() == root else staging.write(buf)
     return _start(comm, what, "bcast", comm.Ibcast, (mpi_buf, root), (buf,), lambda: buf,
-                  staging, lambda: f"bcast {_describe(buf)} root={root}")
+                  staging, signature)
 
 
 def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "allgather") -> Work:

@@ -240,9 +240,10 @@ class JoinableComm(CommJoinable):
         array (passing one saves an allocation per call); ``out=x`` reduces in place.  Inside
         a Join the library completes a Work that its caller drops when the iteration ends.
         """
-        try:
-            x = self._array(x)
-            code, op_code = _dtype_code(x.dtype), _op_code(op)
+        try:  # the common case inline: dict look-ups, no call
+            x = x if type(x) is np.ndarray else self._array(x)
+            code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
+            op_code = _OP_CODES.get(id(op)) or _op_code(op)
             out = _output(x, out)
         except (TypeError, ValueError) as error:
             self._refuse(error)
@@ -304,8 +305,8 @@ class JoinableComm(CommJoinable):
         typed like `x`) receives the data; by default a new array.
         """
         try:
-            x = self._array(x)
-            code = _dtype_code(x.dtype)
+            x = x if type(x) is np.ndarray else self._array(x)
+            code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
             out = _output(x, out)
             highest = isinstance(root, str) and root == "highest_active"
             if not highest and (isinstance(root, bool)
@@ -351,7 +352,9 @@ def _output(x: Any, out: Any) -> Any:
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be shaped and typed like the input: {x.shape} {x.dtype}, "
                          f"got {out.shape} {out.dtype}")
-    if type(out) is np.ndarray and type(x) is np.ndarray and np.may_share_memory(out, x):
+    if (type(out) is np.ndarray and type(x) is np.ndarray and (out.base is not None
+                                                               or x.base is not None)
+            and np.may_share_memory(out, x)):  # two arrays without a base cannot overlap
         raise ValueError("out overlaps the input without being it; pass out=x to work in place")
     return out
 
