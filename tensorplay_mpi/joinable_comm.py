@@ -198,7 +198,7 @@ class JoinableComm(CommJoinable):
     def _refuse(self, error: Exception) -> NoReturn:
         """Raise `error`, a bad argument; when ranks have joined, announce it to them first."""
         if self._announces():
-            self._announce(_REFUSED, _REFUSALS.index(type(error)) + 1)
+            self._announce(_REFUSED, 1 if isinstance(error, TypeError) else 2)
         raise error
 
     def _announce(self, kind: int, op: int = 0, code: int = 0, root: int = -1, count: int = 0,

@@ -11,6 +11,7 @@ from mpi4py import MPI
 from test_failures_mpi import rss_bytes
 
 from tensorplay_mpi import Join, JoinableComm
+from tensorplay_mpi.joinable_comm import _digest
 
 PROGRAM = str(Path(__file__).parent / "programs" / "jc_misuse.py")
 MODES = ["every rank active", "rank 0 joined"]
@@ -147,3 +148,21 @@ def test_an_operation_inside_dp_step_with_a_joined_rank_ends_clearly(nprocs):
     assert len(outcomes) == nprocs, result.stdout
     for outcome in outcomes.values():
         assert "in the order of its list" in outcome, outcome
+
+
+@pytest.mark.parametrize("fields, message", [
+    ((2, 1, 99, -1, 3, 0), "is invalid"),  # an allreduce of dtype code 99
+    ((2, 0, 12, -1, 3, 0), "is invalid"),  # an allreduce without an op
+    ((7, 0, 0, -1, 0, 0), "is invalid"),  # no such kind
+    ((4, 0, 12, 5, 3, 0), "is invalid"),  # a bcast root beyond the communicator
+    (None, "not one operation"),  # no announcement at all: a gradient bucket, say
+])
+def test_a_joined_rank_checks_what_it_receives(fields, message):
+    jc = JoinableComm(MPI.COMM_SELF)  # one rank: the announcement allreduce returns its input
+    if fields is None:
+        jc._announcement[:] = np.arange(10, dtype=np.float64).view(np.int64)
+    else:
+        digest = _digest(fields)
+        jc._announcement[:] = fields + (digest, -digest, 0, 0)
+    with pytest.raises(RuntimeError, match=message):
+        jc._exchange_announcement()
