@@ -38,6 +38,7 @@ from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_nam
 __all__ = ["JoinableComm"]
 
 _END, _ALLREDUCE, _ALLGATHER, _BCAST, _REFUSED = 1, 2, 3, 4, 5
+_CARRIED_ALLREDUCE, _CARRIED_BCAST = 6, 7  # the data travelled in the announcement
 _REFUSALS = (TypeError, ValueError)  # what a refused call raised (the op field of REFUSED)
 _DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -46,7 +47,10 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES, 1)}
 _OP_OBJECTS = tuple(getattr(MPI, name) for name in OPS)
 _OP_CODES = {id(op): code for code, op in enumerate(_OP_OBJECTS, 1)}  # MPI.SUM, ... live forever
 _FIELDS = 6  # kind, op, dtype, root, count, row digest: what the digest covers
-_SLOTS = _FIELDS + 4  # + digest, -digest, rank == root, rank
+_ROOT_IS_ME, _RANK, _PAYLOAD_AT = _FIELDS + 2, _FIELDS + 3, _FIELDS + 4  # after the digests
+_PAYLOAD = 8  # int64 words of data an announcement carries
+_SLOTS = _PAYLOAD_AT + _PAYLOAD
+_ORDERED = {"MAX": False, "MIN": True, "LOR": False, "LAND": True}  # op: by reversed keys
 _NOBODY = np.iinfo(np.int64).min  # what a joined rank announces
 
 
@@ -108,6 +112,46 @@ def _digest(values: tuple) -> int:
     return (hash(values) & ((1 << 62) - 1)) | (1 << 62)
 
 
+def _carried_op(x: Any, op_code: int) -> bool | None:
+    """For an allreduce that an announcement can carry: whether its keys are reversed."""
+    name = OPS[op_code - 1]
+    if (type(x) is not np.ndarray or x.size > _PAYLOAD or name not in _ORDERED
+            or x.dtype.kind not in "biuf" or (name in ("LAND", "LOR") and x.dtype.kind != "b")):
+        return None
+    return _ORDERED[name]
+
+
+def _keys(x: np.ndarray, reverse: bool) -> np.ndarray:
+    """int64 keys in the order of `x`'s values (reversed: bitwise not), so MAX reduces them."""
+    flat = x.reshape(-1)
+    if x.dtype.kind == "f":  # IEEE order: negative values' magnitude bits flipped
+        bits = flat.view(f"i{x.dtype.itemsize}").astype(np.int64)
+        keys = np.where(bits < 0, bits ^ ((1 << (8 * x.dtype.itemsize - 1)) - 1), bits)
+    elif x.dtype == np.uint64:
+        keys = (flat ^ np.uint64(1 << 63)).view(np.int64)
+    else:
+        keys = flat.astype(np.int64)
+    return ~keys if reverse else keys
+
+
+def _from_keys(keys: np.ndarray, dtype: np.dtype, reverse: bool) -> np.ndarray:
+    """The values of :func:`_keys`."""
+    keys = ~keys if reverse else keys
+    if dtype.kind == "f":
+        bits = np.where(keys < 0, keys ^ ((1 << (8 * dtype.itemsize - 1)) - 1), keys)
+        return bits.astype(f"i{dtype.itemsize}").view(dtype)
+    if dtype == np.uint64:
+        return keys.view(np.uint64) ^ np.uint64(1 << 63)
+    return keys.astype(dtype)
+
+
+def _completed(value: Any, what: str) -> Work:
+    """A Work already complete, whose result is `value` (an operation done by its announcement)."""
+    work = Work(MPI.REQUEST_NULL, what, value=value)
+    work.is_completed()
+    return work
+
+
 class JoinableComm(CommJoinable):
     """A Joinable wrapping a communicator: its collectives are shadowed automatically.
 
@@ -145,6 +189,8 @@ class JoinableComm(CommJoinable):
         self._owner: Join | None = None  # the enabled Join of the current iteration
         self._announcing: bool | None = None  # ranks have joined: announce (None: not read yet)
         self._works: list[Work] = []  # i-variants' Works of this iteration (enabled Join only)
+        self._active = self.size  # active ranks in the current iteration, once read
+        self._highest: tuple = (None, 0, -1)  # (Join, active ranks, the highest active rank)
         self._iteration = 0
         self._where = "iteration 0"
 
@@ -185,7 +231,8 @@ class JoinableComm(CommJoinable):
             return False
         announcing = self._announcing
         if announcing is None:  # the iteration's first operation: wait for the heartbeat
-            announcing = self._announcing = join.active_ranks() < self.size
+            self._active = join.active_ranks()
+            announcing = self._announcing = self._active < self.size
         return announcing
 
     def _own(self, work: Work) -> Work:
@@ -202,18 +249,25 @@ class JoinableComm(CommJoinable):
         raise error
 
     def _announce(self, kind: int, op: int = 0, code: int = 0, root: int = -1, count: int = 0,
-                  rows: int = 0) -> tuple:
+                  rows: int = 0, payload: np.ndarray | None = None, writer: int = -1) -> tuple:
+        """Announce an operation; `writer` (default `root`) is whose `payload` every rank gets."""
         fields = (kind, op, code, root, count, rows)
         digest = _digest(_covered(fields))
-        self._announcement[:] = fields + (digest, -digest, int(self.rank == root), self.rank)
-        return self._exchange_announcement()
+        a = self._announcement
+        a[:_PAYLOAD_AT] = fields + (digest, -digest, int(self.rank == root), self.rank)
+        a[_PAYLOAD_AT:] = _NOBODY
+        if payload is not None and (writer == -1 or writer == self.rank):
+            a[_PAYLOAD_AT:_PAYLOAD_AT + payload.size] = payload
+        values = self._exchange_announcement()
+        self._highest = (self._owner, self._active, values[_RANK])
+        return values
 
     def _exchange_announcement(self) -> tuple:
         """The announcement allreduce, then the fields every rank checks the same way."""
         what = f"announcement ({self._where})"
         iallreduce(self.comm, MPI.IN_PLACE, self._announcement, MPI.MAX, what).wait_or_abort(
             self.timeout)
-        values = tuple(self._announcement.tolist())
+        values = tuple(self._announcement[:_PAYLOAD_AT].tolist())
         kind, op, code, root, count, rows = fields = values[:_FIELDS]
         digest, negated = values[_FIELDS:_FIELDS + 2]
         if digest != -negated or digest != _digest(_covered(fields)):
@@ -222,10 +276,11 @@ class JoinableComm(CommJoinable):
                 "announced: active ranks issued different JoinableComm operations, or the "
                 "collectives of a Join's joinables did not run in the order of its list (a "
                 "JoinableComm operation inside dp.step(), say)")
-        data = kind in (_ALLREDUCE, _ALLGATHER, _BCAST)
+        data = kind in (_ALLREDUCE, _ALLGATHER, _BCAST, _CARRIED_ALLREDUCE, _CARRIED_BCAST)
+        reduces = kind in (_ALLREDUCE, _CARRIED_ALLREDUCE)
         if not ((data or kind in (_END, _REFUSED)) and (not data or 1 <= code <= len(_DTYPES))
-                and 0 <= op <= (len(OPS) if kind == _ALLREDUCE else len(_REFUSALS))
-                and (kind not in (_ALLREDUCE, _REFUSED) or op > 0) and -1 <= root < self.size
+                and 0 <= op <= (len(OPS) if reduces else len(_REFUSALS))
+                and (not (reduces or kind == _REFUSED) or op > 0) and -1 <= root < self.size
                 and count >= 0):
             raise RuntimeError(f"rank {self.rank}: the {what} is invalid: {values}")
         return values
@@ -248,6 +303,13 @@ class JoinableComm(CommJoinable):
         except (TypeError, ValueError) as error:
             self._refuse(error)
         if self._announces():
+            reverse = _carried_op(x, op_code)
+            if reverse is not None:  # small and ordered: the announcement carries the data
+                values = self._announce(_CARRIED_ALLREDUCE, op_code, code, count=x.size,
+                                        payload=_keys(x, reverse))
+                keys = self._announcement[_PAYLOAD_AT:_PAYLOAD_AT + x.size]
+                out[...] = _from_keys(keys, x.dtype, reverse).reshape(x.shape)
+                return _completed(out, f"allreduce ({self._where}, carried)")
             self._announce(_ALLREDUCE, op_code, code, count=x.size)
         send = MPI.IN_PLACE if out is x else x
         return self._own(iallreduce(self.comm, send, out, op, f"allreduce ({self._where})"))
@@ -317,14 +379,33 @@ class JoinableComm(CommJoinable):
         except (TypeError, ValueError) as error:
             self._refuse(error)
         if self._announces():
+            writer = self._carrier(x, target)
+            if writer is not None:  # small, and its root known: the announcement carries it
+                words = np.frombuffer(x.tobytes().ljust(8 * _PAYLOAD, b"\0"), np.int64)
+                values = self._announce(_CARRIED_BCAST, 0, code, target, x.size,
+                                        payload=words, writer=writer)
+                _check_root(target, highest or values[_ROOT_IS_ME] == 1)
+                data = self._announcement[_PAYLOAD_AT:].tobytes()[:x.nbytes]
+                out[...] = np.frombuffer(data, x.dtype).reshape(x.shape)
+                return _completed(out, f"bcast ({self._where}, carried)")
             values = self._announce(_BCAST, 0, code, target, x.size)
-            target = values[-1] if highest else target
-            _check_root(target, highest or values[-2] == 1)
+            target = values[_RANK] if highest else target
+            _check_root(target, highest or values[_ROOT_IS_ME] == 1)
         elif highest:
             target = self.size - 1
         if self.rank == target and out is not x:
             out[...] = x
         return self._own(ibcast(self.comm, out, target, f"bcast from {target} ({self._where})"))
+
+    def _carrier(self, x: Any, root: int) -> int | None:
+        """The rank whose small `x` an announcement carries: `root`, or the highest active
+        rank when known (the same count of active ranks in one Join is the same ranks)."""
+        if type(x) is not np.ndarray or x.nbytes > 8 * _PAYLOAD:
+            return None
+        if root != -1:
+            return root
+        join, active, highest = self._highest
+        return highest if join is self._owner and active == self._active else None
 
     def bcast(self, x: Any, root: int | str = "highest_active", out: Any = None) -> Any:
         """The root's `x` on every active rank (see :meth:`ibcast`)."""
@@ -390,11 +471,16 @@ class _FollowAnnouncements(JoinHook):
         jc._iteration += 1
         jc._where = f"iteration {jc._iteration}, joined"
         while True:
-            jc._announcement[:] = _NOBODY
+            jc._announcement.fill(_NOBODY)
             kind, op, code, root, count, rows, _, _, root_active, highest = (
                 jc._exchange_announcement())
             if kind == _END:
                 return
+            if kind == _CARRIED_ALLREDUCE:
+                continue
+            if kind == _CARRIED_BCAST:
+                _check_root(root, root == -1 or root_active == 1)
+                continue
             if kind == _REFUSED:
                 raise _REFUSALS[op - 1](
                     f"rank {jc.rank}: the active ranks' JoinableComm call in {jc._where} had a "
