@@ -10,9 +10,9 @@ once.  Each repeat times, interleaved, on one communicator (the slowest rank's t
 - ``nonblocking``: the same through ``Iallreduce``/``Ibcast`` + ``Wait``;
 - ``floor_all_active``: ``nonblocking`` plus the Join's heartbeat, an ``Iallreduce`` of one
   int64: what a Join with every rank active needs at the least, without any Python;
-- ``floor_one_joined``: ``floor_all_active`` plus an ``Iallreduce`` of 10 int64 before each
-  operation and one at the end: the collectives of an iteration with a rank joined (heartbeat,
-  3 announcements, 3 operations, END), without any Python;
+- ``floor_one_joined``: the collectives of an iteration with a rank joined, without any Python:
+  the heartbeat, an announcement (``Iallreduce`` of 18 int64, MAX) and the SUM, one
+  announcement that carries the MAX, one that carries the broadcast, and END;
 - ``jc_outside``: ``jc.allreduce``/``jc.bcast`` outside any Join;
 - ``jc_all_active``: ``begin_iteration()`` and the same three inside ``Join([jc])``;
 - ``jc_one_joined``: the same with rank 0 joined from the start (shadowing).
@@ -41,7 +41,7 @@ def schedules(comm, jc, iterations, elements):
     out_s, out_m, out_b = np.empty_like(s), np.empty_like(m), np.empty_like(b)
     last = comm.size - 1
     word, words = np.ones(1, np.int64), np.empty(1, np.int64)
-    header = np.zeros(10, np.int64)
+    header = np.zeros(18, np.int64)
 
     def blocking():
         for _ in range(iterations):
@@ -49,20 +49,20 @@ def schedules(comm, jc, iterations, elements):
             comm.Allreduce(m, out_m, MPI.MAX)
             comm.Bcast(b, last)
 
-    def nonblocking(heartbeat=False, announce=False):
+    def nonblocking(heartbeat=False):
         for _ in range(iterations):
             if heartbeat:
                 comm.Iallreduce(word, words, MPI.SUM).Wait()
-            if announce:
-                comm.Iallreduce(MPI.IN_PLACE, header, MPI.MAX).Wait()
             comm.Iallreduce(s, out_s, MPI.SUM).Wait()
-            if announce:
-                comm.Iallreduce(MPI.IN_PLACE, header, MPI.MAX).Wait()
             comm.Iallreduce(m, out_m, MPI.MAX).Wait()
-            if announce:
-                comm.Iallreduce(MPI.IN_PLACE, header, MPI.MAX).Wait()
             comm.Ibcast(b, last).Wait()
-            if announce:  # END
+
+    def floor_one_joined():
+        for _ in range(iterations):
+            comm.Iallreduce(word, words, MPI.SUM).Wait()
+            comm.Iallreduce(MPI.IN_PLACE, header, MPI.MAX).Wait()
+            comm.Iallreduce(s, out_s, MPI.SUM).Wait()
+            for _ in range(3):  # the MAX, the broadcast, END
                 comm.Iallreduce(MPI.IN_PLACE, header, MPI.MAX).Wait()
 
     def ops():
@@ -84,7 +84,7 @@ def schedules(comm, jc, iterations, elements):
         "blocking": blocking,
         "nonblocking": nonblocking,
         "floor_all_active": lambda: nonblocking(heartbeat=True),
-        "floor_one_joined": lambda: nonblocking(heartbeat=True, announce=True),
+        "floor_one_joined": floor_one_joined,
         "jc_outside": jc_outside,
         "jc_all_active": lambda: in_join(iterations),
         "jc_one_joined": lambda: in_join(iterations if comm.rank else 0),

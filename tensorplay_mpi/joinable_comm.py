@@ -8,16 +8,22 @@ active ranks (waiting for it there, not in ``begin_iteration()``, so work in bet
   ``allgather`` an ``Iallgather`` of ``[row count, digest of dtype and trailing shape]``, then
   an ``Iallgatherv``.
 - ``n < size``: before each operation the active ranks announce it with
-  ``Iallreduce(int64[10], MAX)`` of ``[kind, op, dtype, root, count, row digest, digest,
-  -digest, rank == root, rank]``; joined ranks send the int64 minimum, so every rank learns the
-  operation, the highest active rank and whether an int root is active.  ``digest`` hashes the
-  fields before it: every rank checks ``max(digest) == -max(-digest)`` (all active ranks agree)
-  and the digest itself (it is an announcement, not another joinable's collective), and raises
-  the same error if not.  Then the operation runs, joined ranks contributing the identity of
-  the op, zero rows, or only receiving.  The iteration ends with an announcement of kind END,
-  sent before the next heartbeat or when the rank joins.  A joined rank's hook follows the
-  announcements until END, so it needs no recording of the past: a rank with zero iterations,
-  or a loop whose collectives change, works.
+  ``Iallreduce(int64[18], MAX)`` of ``[kind, op, dtype, root, count, row digest, digest,
+  -digest, rank == root, rank, payload[8]]``; joined ranks send the int64 minimum, so every
+  rank learns the operation, the highest active rank and whether an int root is active.
+  ``digest`` hashes the fields before it: every rank checks ``max(digest) == -max(-digest)``
+  (all active ranks agree) and the digest itself (it is an announcement, not another
+  joinable's collective), and raises the same error if not.  Then the operation runs, joined
+  ranks contributing the identity of the op, zero rows, or only receiving.  Small operations
+  travel in the announcement itself (one collective, not two): a MAX, MIN, LAND or LOR
+  allreduce of up to 8 host values, as int64 keys in the order of the values (the int64
+  minimum is MAX's identity), and a broadcast of up to 64 bytes whose root is known (an int,
+  or the highest active rank learnt from an earlier announcement with the same count of
+  active ranks: in one Join, the same count is the same ranks), only the root writing its bytes.
+  The iteration ends with an announcement of kind END, sent before the next heartbeat or when
+  the rank joins.  A joined rank's hook follows the announcements until END, so it needs no
+  recording of the past: a rank with zero iterations, or a loop whose collectives change,
+  works.
 
 Arguments are checked on every rank before any collective, the same way in both modes.
 """
