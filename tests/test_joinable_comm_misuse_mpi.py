@@ -159,10 +159,11 @@ def test_an_operation_inside_dp_step_with_a_joined_rank_ends_clearly(nprocs):
 ])
 def test_a_joined_rank_checks_what_it_receives(fields, message):
     jc = JoinableComm(MPI.COMM_SELF)  # one rank: the announcement allreduce returns its input
+    slots = jc._announcement.size
     if fields is None:
-        jc._announcement[:] = np.arange(10, dtype=np.float64).view(np.int64)
+        jc._announcement[:] = np.arange(slots, dtype=np.float64).view(np.int64)
     else:
         digest = _digest(fields)
-        jc._announcement[:] = fields + (digest, -digest, 0, 0)
+        jc._announcement[:] = fields + (digest, -digest, 0, 0) + (0,) * (slots - 10)
     with pytest.raises(RuntimeError, match=message):
         jc._exchange_announcement()
