@@ -256,7 +256,8 @@ class JoinableComm(CommJoinable):
 
     def _announce(self, kind: int, op: int = 0, code: int = 0, root: int = -1, count: int = 0,
                   rows: int = 0, payload: np.ndarray | None = None, writer: int = -1) -> tuple:
-        """Announce an operation; `writer` (default `root`) is whose `payload` every rank gets."""
+        """Announce an operation, with the `payload` of every active rank (MAX-reduced), or
+        only of rank `writer`: what every rank then finds in the announcement's payload."""
         fields = (kind, op, code, root, count, rows)
         digest = _digest(_covered(fields))
         a = self._announcement
