@@ -187,7 +187,7 @@ def _host_buffer(array: Any) -> np.ndarray:
 class Staging:
     """How one MPI operation sees its buffers: device pointers, or host copies.
 
-    The operation's Work keeps it, and with it the host buffers, until the operation completes.
+    The operation's Work keeps its :attr:`hosts` until the operation completes.
     ``read(buf)`` for a buffer MPI reads, ``write(buf)`` for one it writes, ``update(buf)``
     for one it reads and writes (``IN_PLACE``); each returns what to give MPI.  ``finish()``
     copies written buffers back to the device; call it when the operation has completed.
@@ -224,6 +224,11 @@ class Staging:
         if copy_back:
             self._copy_back.append((buf, host))
         return host
+
+    @property
+    def hosts(self) -> tuple[np.ndarray, ...]:
+        """The operation's host buffers (to keep alive until it completes)."""
+        return tuple(self._hosts)
 
     @property
     def copies_back(self) -> bool:

@@ -96,20 +96,26 @@ def _check_buffer(buf: Any, name: str, what: str) -> None:
 
 
 def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Request],
-           args: tuple, keep: tuple, result: Callable[[], Any] | None, staging: Staging,
-           signature: Callable[[], str] | None = None) -> Work:
-    """The one place where every library operation starts."""
+           args: tuple, keep: tuple, value: Any, staging: Staging,
+           signature: Callable[[], str] | None = None,
+           finish: Callable[[Any], Any] | None = None) -> Work:
+    """The one place where every library operation starts.
+
+    The Work's result is `value`, or ``finish(value)``; staged buffers are copied back first.
+    Host buffers (nothing staged, no `finish`) need no completion callback at all.
+    """
     progress_pending(_PROGRESS_AT)
     guard = Guard.of(comm)
     if guard is not None:
         guard.before_collective(kind, what, signature)
-    finish = result
-    if staging.copies_back:
-        def finish() -> Any:
-            staging.finish()
-            return result() if result is not None else None
+    if not staging.copies_back and finish is None:
+        return Work(start(*args), what, keep + staging.hosts, None, guard, value)
 
-    return Work(start(*args), what, keep + (staging,), finish, guard)
+    def complete() -> Any:
+        staging.finish()
+        return value if finish is None else finish(value)
+
+    return Work(start(*args), what, keep + staging.hosts, complete, guard)
 
 
 def _describe(buf: Any) -> str:
@@ -139,10 +145,10 @@ def iallreduce(
         args = (sendbuf, staging.update(recvbuf), op)
     else:
         args = (staging.read(sendbuf), staging.write(recvbuf), op)
-    result = (lambda: recvbuf) if finish is None else (lambda: finish(recvbuf))
-    return _start(comm, what, "allreduce", comm.Iallreduce, args, (sendbuf, recvbuf), result,
+    return _start(comm, what, "allreduce", comm.Iallreduce, args, (sendbuf, recvbuf), recvbuf,
                   staging,
-                  lambda: f"allreduce {_describe(recvbuf)} op={op_name(op) or 'user-defined'}")
+                  lambda: f"allreduce {_describe(recvbuf)} op={op_name(op) or 'user-defined'}",
+                  finish)
 
 
 def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Work:
@@ -153,7 +159,7 @@ def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Wor
     _check_buffer(buf, "buf", what)
     staging = Staging()
     mpi_buf = staging.read(buf) if comm.Get_rank() == root else staging.write(buf)
-    return _start(comm, what, "bcast", comm.Ibcast, (mpi_buf, root), (buf,), lambda: buf,
+    return _start(comm, what, "bcast", comm.Ibcast, (mpi_buf, root), (buf,), buf,
                   staging, lambda: f"bcast {_describe(buf)} root={root}")
 
 
@@ -167,7 +173,7 @@ def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "all
     staging = Staging()
     args = (staging.read(sendbuf), staging.write(recvbuf))
     return _start(comm, what, "allgather", comm.Iallgather, args, (sendbuf, recvbuf),
-                  lambda: recvbuf, staging, lambda: f"allgather {_describe(sendbuf)}")
+                  recvbuf, staging, lambda: f"allgather {_describe(sendbuf)}")
 
 
 def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[int],
@@ -181,7 +187,7 @@ def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[in
     staging = Staging()
     args = (staging.read(sendbuf), [staging.write(recvbuf), counts])
     return _start(comm, what, "allgather", comm.Iallgatherv, args, (sendbuf, recvbuf),
-                  lambda: recvbuf, staging, lambda: f"allgatherv {_describe(recvbuf)}")
+                  recvbuf, staging, lambda: f"allgatherv {_describe(recvbuf)}")
 
 
 def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send") -> Work:
@@ -195,4 +201,4 @@ def irecv(comm: MPI.Intracomm, buf: Any, source: int, tag: int, what: str = "rec
     """Start a point-to-point ``MPI_Irecv`` into `buf` from `source`; the result is `buf`."""
     staging = Staging()
     return _start(comm, what, "recv", comm.Irecv, (staging.write(buf), source, tag), (buf,),
-                  lambda: buf, staging)
+                  buf, staging)

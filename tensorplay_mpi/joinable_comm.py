@@ -1,23 +1,37 @@
 """JoinableComm: any iterative MPI loop made join-safe without writing a hook.
 
-Wire schedule.  ``begin_iteration()`` reads the heartbeat's count ``n`` of active ranks.
+Wire schedule.  The first operation of an iteration reads the heartbeat's count ``n`` of
+active ranks (waiting for it there, not in ``begin_iteration()``, so work in between hides it).
 
-- ``n == size`` (every rank active): each operation goes straight to MPI, nothing more:
-  ``allreduce`` is one ``Iallreduce``; ``bcast`` one ``Ibcast``; ``allgather`` an
-  ``Iallgather`` of the row counts, then an ``Iallgatherv``.
+- ``n == size`` (every rank active), and outside an enabled Join: each operation goes straight
+  to MPI, nothing more: ``allreduce`` is one ``Iallreduce``; ``bcast`` one ``Ibcast``;
+  ``allgather`` an ``Iallgather`` of ``[row count, digest of dtype and trailing shape]``, then
+  an ``Iallgatherv``.
 - ``n < size``: before each operation the active ranks announce it with
-  ``Iallreduce(int64[16], MAX)`` of ``[kind, op, dtype, ndim, root, rank == root, rank,
-  shape...]``; joined ranks send the int64 minimum, so every rank learns the operation, the
-  highest active rank and whether an int root is active.  Then the operation runs, joined ranks
-  contributing the identity of the op, zero rows, or only receiving.  The iteration ends with an
-  announcement of kind END, sent before the next heartbeat or when the rank joins.  A joined
-  rank's hook follows the announcements until END, so it needs no recording of the past: a rank
-  with zero iterations, or a loop whose collectives change, works.
+  ``Iallreduce(int64[18], MAX)`` of ``[kind, op, dtype, root, count, row digest, digest,
+  -digest, rank == root, rank, payload[8]]``; joined ranks send the int64 minimum, so every
+  rank learns the operation, the highest active rank and whether an int root is active.
+  ``digest`` hashes the fields before it: every rank checks ``max(digest) == -max(-digest)``
+  (all active ranks agree) and the digest itself (it is an announcement, not another
+  joinable's collective), and raises the same error if not.  Then the operation runs, joined
+  ranks contributing the identity of the op, zero rows, or only receiving.  Small operations
+  travel in the announcement itself (one collective, not two): a MAX, MIN, LAND or LOR
+  allreduce of up to 8 host values, as int64 keys in the order of the values (the int64
+  minimum is MAX's identity), and a broadcast of up to 64 bytes whose root is known (an int,
+  or the highest active rank learnt from an earlier announcement with the same count of
+  active ranks: in one Join, the same count is the same ranks), only the root writing its bytes.
+  The iteration ends with an announcement of kind END, sent before the next heartbeat or when
+  the rank joins.  A joined rank's hook follows the announcements until END, so it needs no
+  recording of the past: a rank with zero iterations, or a loop whose collectives change,
+  works.
+
+Arguments are checked on every rank before any collective, the same way in both modes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, NoReturn
 
 import numpy as np
 from mpi4py import MPI
@@ -29,12 +43,20 @@ from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_nam
 
 __all__ = ["JoinableComm"]
 
-_END, _ALLREDUCE, _ALLGATHER, _BCAST = 1, 2, 3, 4
+_END, _ALLREDUCE, _ALLGATHER, _BCAST, _REFUSED = 1, 2, 3, 4, 5
+_CARRIED_ALLREDUCE, _CARRIED_BCAST = 6, 7  # the data travelled in the announcement
+_REFUSALS = (TypeError, ValueError)  # what a refused call raised (the op field of REFUSED)
 _DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
     np.float16, np.float32, np.float64, np.complex64, np.complex128))
-_SLOTS, _SHAPE_AT = 16, 7  # announcement length; where the shape starts in it
-_MAX_NDIM = _SLOTS - _SHAPE_AT
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES, 1)}
+_OP_OBJECTS = tuple(getattr(MPI, name) for name in OPS)
+_OP_CODES = {id(op): code for code, op in enumerate(_OP_OBJECTS, 1)}  # MPI.SUM, ... live forever
+_FIELDS = 6  # kind, op, dtype, root, count, row digest: what the digest covers
+_ROOT_IS_ME, _RANK, _PAYLOAD_AT = _FIELDS + 2, _FIELDS + 3, _FIELDS + 4  # after the digests
+_PAYLOAD = 8  # int64 words of data an announcement carries
+_SLOTS = _PAYLOAD_AT + _PAYLOAD
+_ORDERED = {"MAX": False, "MIN": True, "LOR": False, "LAND": True}  # op: by reversed keys
 _NOBODY = np.iinfo(np.int64).min  # what a joined rank announces
 
 
@@ -47,7 +69,7 @@ def identity(op: MPI.Op, dtype: Any) -> Any:
         For an op without an identity here (user-defined ops, MAXLOC, ...).
     """
     dtype = np.dtype(dtype)
-    name = _op_name(op)
+    name = OPS[_op_code(op) - 1]
     if name in ("SUM", "LOR", "LXOR", "BOR", "BXOR"):
         return dtype.type(0)
     if name in ("PROD", "LAND"):
@@ -63,18 +85,77 @@ def identity(op: MPI.Op, dtype: Any) -> Any:
     return dtype.type(info.min if lowest else info.max)
 
 
-def _op_name(op: MPI.Op) -> str:
+def _op_code(op: Any) -> int:
+    code = _OP_CODES.get(id(op))
+    if code is not None:
+        return code
+    if not isinstance(op, MPI.Op):
+        raise TypeError(f"op must be an mpi4py.MPI.Op such as MPI.SUM, got {op!r}")
     name = op_name(op)
     if name is None:
         raise ValueError(f"JoinableComm supports the ops {', '.join(OPS)}; got {op!r}")
-    return name
+    return OPS.index(name) + 1
 
 
-def _dtype_code(dtype: Any) -> int:
-    try:
-        return _DTYPES.index(np.dtype(dtype)) + 1
-    except ValueError:
-        raise TypeError(f"JoinableComm cannot send dtype {dtype}") from None
+def _dtype_code(dtype: np.dtype) -> int:
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        raise TypeError(f"JoinableComm cannot send dtype {dtype}")
+    return code
+
+
+def _covered(fields: tuple) -> tuple:
+    """The announced fields that active ranks must agree on.
+
+    An allgather's dtype and row shape may differ in the announcement: the row headers
+    compare them and raise the same ValueError as when every rank is active.
+    """
+    return fields[:1] if fields[0] == _ALLGATHER else fields
+
+
+def _digest(values: tuple) -> int:
+    """A positive int64 hash of ints, the same in every process (ints hash by value)."""
+    return (hash(values) & ((1 << 62) - 1)) | (1 << 62)
+
+
+def _carried_op(x: Any, op_code: int) -> bool | None:
+    """For an allreduce that an announcement can carry: whether its keys are reversed."""
+    name = OPS[op_code - 1]
+    if (type(x) is not np.ndarray or x.size > _PAYLOAD or name not in _ORDERED
+            or x.dtype.kind not in "biuf" or (name in ("LAND", "LOR") and x.dtype.kind != "b")):
+        return None
+    return _ORDERED[name]
+
+
+def _keys(x: np.ndarray, reverse: bool) -> np.ndarray:
+    """int64 keys in the order of `x`'s values (reversed: bitwise not), so MAX reduces them."""
+    flat = x.reshape(-1)
+    if x.dtype.kind == "f":  # IEEE order: negative values' magnitude bits flipped
+        bits = flat.view(f"i{x.dtype.itemsize}").astype(np.int64)
+        keys = np.where(bits < 0, bits ^ ((1 << (8 * x.dtype.itemsize - 1)) - 1), bits)
+    elif x.dtype == np.uint64:
+        keys = (flat ^ np.uint64(1 << 63)).view(np.int64)
+    else:
+        keys = flat.astype(np.int64)
+    return ~keys if reverse else keys
+
+
+def _from_keys(keys: np.ndarray, dtype: np.dtype, reverse: bool) -> np.ndarray:
+    """The values of :func:`_keys`."""
+    keys = ~keys if reverse else keys
+    if dtype.kind == "f":
+        bits = np.where(keys < 0, keys ^ ((1 << (8 * dtype.itemsize - 1)) - 1), keys)
+        return bits.astype(f"i{dtype.itemsize}").view(dtype)
+    if dtype == np.uint64:
+        return keys.view(np.uint64) ^ np.uint64(1 << 63)
+    return keys.astype(dtype)
+
+
+def _completed(value: Any, what: str) -> Work:
+    """A Work already complete, whose result is `value` (an operation done by its announcement)."""
+    work = Work(MPI.REQUEST_NULL, what, value=value)
+    work.is_completed()
+    return work
 
 
 class JoinableComm(CommJoinable):
@@ -83,7 +164,10 @@ class JoinableComm(CommJoinable):
     Results on active ranks are exactly what they would be if the joined ranks did not exist.
     Collective over `comm`: every active rank calls :meth:`begin_iteration` once per iteration,
     then the same operations in the same order.  Beside other joinables (``Join([dp, jc])``)
-    call it after theirs, in list order: the first joinable's heartbeat starts the iteration.
+    the collectives of an iteration must run in the order of the Join's list, as the hooks of
+    a joined rank do: call :meth:`begin_iteration` and the operations after the other
+    joinables' collectives (after ``dp.step()``, never inside it).  Outside an enabled Join
+    the operations are plain collectives over every rank and nothing is retained.
 
     Parameters
     ----------
@@ -106,68 +190,107 @@ class JoinableComm(CommJoinable):
     def __init__(self, comm: MPI.Intracomm | None = None, timeout: float | None = None) -> None:
         super().__init__(comm, timeout)  # device: of the last array seen (joined ranks: host)
         self._announcement = np.empty(_SLOTS, np.int64)
-        self._announcing = False  # this iteration has joined ranks: announce every operation
-        self._owner: Join | None = None  # the Join of the current iteration
-        self._works: list[Work] = []  # this iteration's operations, completed at its end
-        self._begun = False
+        self._row_header = np.empty(2, np.int64)  # [row count, row digest] of an allgather
+        self._row_headers = np.empty((self.size, 2), np.int64)
+        self._owner: Join | None = None  # the enabled Join of the current iteration
+        self._announcing: bool | None = None  # ranks have joined: announce (None: not read yet)
+        self._works: list[Work] = []  # i-variants' Works of this iteration (enabled Join only)
+        self._active = self.size  # active ranks in the current iteration, once read
+        self._highest: tuple = (None, 0, -1)  # (Join, active ranks, the highest active rank)
         self._iteration = 0
+        self._where = "iteration 0"
 
     # -- iterations ------------------------------------------------------------------------
 
     def begin_iteration(self) -> None:
-        """Start an iteration: the heartbeat when this is the first joinable, then the mode.
+        """Start an iteration: the heartbeat when this is the first joinable.
 
-        Collective over ``comm``.
+        Collective over ``comm``.  The heartbeat is waited for at the first operation.
         """
-        heartbeat = Join.notify_join_context(self)
+        Join.notify_join_context(self)  # the Join owns the heartbeat it returns
+        join = self.join_context
         self._iteration += 1
-        if heartbeat is not None:
-            heartbeat.wait_or_abort(self.timeout)
-            active = heartbeat.result()
-        elif self.join_context is not None:
-            active = self.join_context.active_ranks()
-        else:
-            active = self.size
-        self._announcing = active < self.size
-        self._owner = self.join_context
-        self._begun = True
+        self._where = f"iteration {self._iteration}"
+        self._owner = join if join is not None and join.enabled else None
+        self._announcing = None
 
     def end_iteration(self) -> None:
         """Complete this iteration's dropped Works; announce END when ranks have joined."""
-        join = self.join_context
-        if join is not None and join is self._owner:  # not after an exception
-            for work in self._works:  # i-variants' Works that their caller dropped
-                work.wait_or_abort(self.timeout)
-            if self._announcing:
+        if self._owner is not None and self.join_context is self._owner:  # not after an error
+            self._wait_all(self._works)
+            if self._announces():
                 self._announce(_END)
         self._works.clear()
-        self._announcing = self._begun = False
+        self._owner = self._announcing = None
+
+    def _announces(self) -> bool:
+        """Whether this operation is announced (ranks have joined); checks begin_iteration()."""
+        join = self.join_context
+        if join is not self._owner:
+            if join is not None and join.enabled:
+                raise RuntimeError("call jc.begin_iteration() at the start of every iteration "
+                                   "inside a Join, before its first operation")
+            self._owner = self._announcing = None  # outside an enabled Join: retain nothing
+            self._works.clear()
+            return False
+        if join is None:
+            return False
+        announcing = self._announcing
+        if announcing is None:  # the iteration's first operation: wait for the heartbeat
+            self._active = join.active_ranks()
+            announcing = self._announcing = self._active < self.size
+        return announcing
 
     def _own(self, work: Work) -> Work:
-        self._works.append(work)
+        if self._owner is not None:  # completed at the end of the iteration
+            self._works.append(work)
         return work
 
-    def _check_begun(self) -> None:
-        join = self.join_context
-        if not self._begun and join is not None and join.enabled:
-            raise RuntimeError("call jc.begin_iteration() at the start of every iteration "
-                               "inside a Join, before its first operation")
+    # -- announcements -----------------------------------------------------------------------
 
-    def _announce(self, kind: int, op: int = 0, dtype: int = 0, shape: tuple = (),
-                  root: int = -1) -> np.ndarray:
-        if len(shape) > _MAX_NDIM:
-            raise ValueError(f"JoinableComm supports up to {_MAX_NDIM} dimensions, got "
-                             f"{len(shape)}")
+    def _refuse(self, error: Exception) -> NoReturn:
+        """Raise `error`, a bad argument; when ranks have joined, announce it to them first."""
+        if self._announces():
+            self._announce(_REFUSED, 1 if isinstance(error, TypeError) else 2)
+        raise error
+
+    def _announce(self, kind: int, op: int = 0, code: int = 0, root: int = -1, count: int = 0,
+                  rows: int = 0, payload: np.ndarray | None = None, writer: int = -1) -> tuple:
+        """Announce an operation, with the `payload` of every active rank (MAX-reduced), or
+        only of rank `writer`: what every rank then finds in the announcement's payload."""
+        fields = (kind, op, code, root, count, rows)
+        digest = _digest(_covered(fields))
         a = self._announcement
-        a[:] = 0
-        a[:_SHAPE_AT] = (kind, op, dtype, len(shape), root, int(self.rank == root), self.rank)
-        a[_SHAPE_AT:_SHAPE_AT + len(shape)] = shape
-        self._exchange_announcement(f"announcement of iteration {self._iteration}")
-        return a
+        a[:_PAYLOAD_AT] = fields + (digest, -digest, int(self.rank == root), self.rank)
+        a[_PAYLOAD_AT:] = _NOBODY
+        if payload is not None and (writer == -1 or writer == self.rank):
+            a[_PAYLOAD_AT:_PAYLOAD_AT + payload.size] = payload
+        values = self._exchange_announcement()
+        self._highest = (self._owner, self._active, values[_RANK])
+        return values
 
-    def _exchange_announcement(self, what: str) -> None:
+    def _exchange_announcement(self) -> tuple:
+        """The announcement allreduce, then the fields every rank checks the same way."""
+        what = f"announcement ({self._where})"
         iallreduce(self.comm, MPI.IN_PLACE, self._announcement, MPI.MAX, what).wait_or_abort(
             self.timeout)
+        values = tuple(self._announcement[:_PAYLOAD_AT].tolist())
+        kind, op, code, root, count, rows = fields = values[:_FIELDS]
+        digest, negated = values[_FIELDS:_FIELDS + 2]
+        if digest != -negated or digest != _digest(_covered(fields)):
+            raise RuntimeError(
+                f"rank {self.rank}: the {what} is not one operation that every active rank "
+                "announced: active ranks issued different JoinableComm operations, or the "
+                "collectives of a Join's joinables did not run in the order of its list (a "
+                "JoinableComm operation inside dp.step(), say)")
+        data = kind in (_ALLREDUCE, _ALLGATHER, _BCAST, _CARRIED_ALLREDUCE, _CARRIED_BCAST)
+        reduces = kind in (_ALLREDUCE, _CARRIED_ALLREDUCE)
+        if not ((data or kind in (_END, _REFUSED)) and (not data or 1 <= code <= len(_DTYPES))
+                and 0 <= op <= (len(OPS) if reduces else len(_REFUSALS))
+                and (not (reduces or kind == _REFUSED) or op > 0) and -1 <= root < self.size
+                and count >= 0):
+            raise RuntimeError(f"rank {self.rank}: the {what} is invalid: {values}")
+        return values
 
     # -- operations ------------------------------------------------------------------------
 
@@ -176,17 +299,27 @@ class JoinableComm(CommJoinable):
 
         Joined ranks contribute the identity of `op` (0 for SUM, 1 for PROD, the lowest value
         for MAX, ...).  `out` (shaped and typed like `x`) receives the result; by default a new
-        array (passing one saves an allocation per call, which costs more than the allreduce
-        for large arrays).  A Work of an iteration that its caller drops is completed by the
-        library when the iteration ends (inside a Join).
+        array (passing one saves an allocation per call); ``out=x`` reduces in place.  Inside
+        a Join the library completes a Work that its caller drops when the iteration ends.
         """
-        self._check_begun()
-        x = self._array(x)
-        out = _output(x, out)
-        if self._announcing:
-            self._announce(_ALLREDUCE, OPS.index(_op_name(op)) + 1, _dtype_code(x.dtype),
-                           x.shape)
-        return self._own(iallreduce(self.comm, x, out, op, f"allreduce ({self._where()})"))
+        try:  # the common case inline: dict look-ups, no call
+            x = x if type(x) is np.ndarray else self._array(x)
+            code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
+            op_code = _OP_CODES.get(id(op)) or _op_code(op)
+            out = _output(x, out)
+        except (TypeError, ValueError) as error:
+            self._refuse(error)
+        if self._announces():
+            reverse = _carried_op(x, op_code)
+            if reverse is not None:  # small and ordered: the announcement carries the data
+                self._announce(_CARRIED_ALLREDUCE, op_code, code, count=x.size,
+                               payload=_keys(x, reverse))
+                keys = self._announcement[_PAYLOAD_AT:_PAYLOAD_AT + x.size]
+                out[...] = _from_keys(keys, x.dtype, reverse).reshape(x.shape)
+                return _completed(out, f"allreduce ({self._where}, carried)")
+            self._announce(_ALLREDUCE, op_code, code, count=x.size)
+        send = MPI.IN_PLACE if out is x else x
+        return self._own(iallreduce(self.comm, send, out, op, f"allreduce ({self._where})"))
 
     def allreduce(self, x: Any, op: MPI.Op = MPI.SUM, out: Any = None) -> Any:
         """Allreduce of `x` over the active ranks (see :meth:`iallreduce`)."""
@@ -195,30 +328,43 @@ class JoinableComm(CommJoinable):
     def iallgather(self, rows: Any) -> Work:
         """Start a gather of every active rank's rows, in rank order; the result is an array.
 
-        `rows` has shape ``(r, ...)``; ``r`` may differ per rank, the rest may not.  The row
-        counts are exchanged (and waited for) first; the Work is the data's allgatherv.
+        `rows` has shape ``(r, ...)``; ``r`` may differ per rank, the dtype and the other
+        dimensions may not (``ValueError`` on every rank).  The row headers are exchanged (and
+        waited for) first; the Work is the data's allgatherv.
         """
-        self._check_begun()
-        rows = self._array(rows)
-        if rows.ndim < 1:
-            raise ValueError("allgather needs rows of at least one dimension")
-        if self._announcing:
-            self._announce(_ALLGATHER, 0, _dtype_code(rows.dtype), rows.shape)
-        return self._own(self._gather_rows(rows, rows.shape[0]))
+        try:
+            rows = self._array(rows)
+            if rows.ndim < 1:
+                raise ValueError(f"allgather needs rows of at least one dimension, got shape "
+                                 f"{rows.shape}")
+            code = _dtype_code(rows.dtype)
+        except (TypeError, ValueError) as error:
+            self._refuse(error)
+        row_digest = _digest((code,) + rows.shape[1:])
+        if self._announces():
+            self._announce(_ALLGATHER, 0, code, count=math.prod(rows.shape[1:]),
+                           rows=row_digest)
+        return self._own(self._gather_rows(rows, row_digest))
 
     def allgather(self, rows: Any) -> Any:
         """The active ranks' rows, concatenated in rank order (see :meth:`iallgather`)."""
         return self._wait(self.iallgather(rows))
 
-    def _gather_rows(self, rows: Any, count: int) -> Work:
-        mine = np.array([count], np.int64)
-        counts = np.empty(self.size, np.int64)
-        self._wait(iallgather(self.comm, mine, counts, f"row counts ({self._where()})"))
-        row_size = int(np.prod(rows.shape[1:], dtype=np.int64))
-        out = zeros_like(rows, int(counts.sum()) * row_size).reshape(
-            (int(counts.sum()),) + tuple(rows.shape[1:]))
+    def _gather_rows(self, rows: Any, row_digest: int) -> Work:
+        self._row_header[:] = rows.shape[0], row_digest
+        headers = self._wait(iallgather(self.comm, self._row_header, self._row_headers,
+                                        f"row counts ({self._where})"))
+        counts, digests = headers[:, 0], headers[:, 1]
+        if (digests != digests[0]).any():
+            differ = np.flatnonzero(digests != digests[0]).tolist()
+            raise ValueError(f"allgather needs rows of one dtype and the same trailing "
+                             f"dimensions on every rank: ranks {differ} differ from rank 0 "
+                             f"(rank {self.rank} has {rows.dtype} rows of shape "
+                             f"{rows.shape[1:]})")
+        total, row_size = int(counts.sum()), math.prod(rows.shape[1:])
+        out = zeros_like(rows, total * row_size).reshape((total,) + tuple(rows.shape[1:]))
         return iallgatherv(self.comm, rows, out, (counts * row_size).tolist(),
-                           f"allgather ({self._where()})")
+                           f"allgather ({self._where})")
 
     def ibcast(self, x: Any, root: int | str = "highest_active", out: Any = None) -> Work:
         """Start a broadcast from `root`; the Work's result is `out` (the root's data).
@@ -227,24 +373,46 @@ class JoinableComm(CommJoinable):
         no rank) raises ``ValueError`` on every rank, joined ones included.  `out` (shaped and
         typed like `x`) receives the data; by default a new array.
         """
-        self._check_begun()
-        x = self._array(x)
-        out = _output(x, out)
-        highest = root == "highest_active"
-        if not highest and not isinstance(root, (int, np.integer)):
-            raise TypeError(f"root must be an int or 'highest_active', got {root!r}")
-        target = -1 if highest else int(root)
-        if self._announcing:
-            a = self._announce(_BCAST, 0, _dtype_code(x.dtype), x.shape, target)
-            target = int(a[6]) if highest else target
-            _check_root(target, bool(a[5]) or highest)
+        try:
+            x = x if type(x) is np.ndarray else self._array(x)
+            code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
+            out = _output(x, out)
+            highest = isinstance(root, str) and root == "highest_active"
+            if not highest and (isinstance(root, bool)
+                                or not isinstance(root, (int, np.integer))):
+                raise TypeError(f"root must be an int or 'highest_active', got {root!r}")
+            target = -1 if highest else int(root)
+            _check_root(target, highest or 0 <= target < self.size)
+        except (TypeError, ValueError) as error:
+            self._refuse(error)
+        if self._announces():
+            writer = self._carrier(x, target)
+            if writer is not None:  # small, and its root known: the announcement carries it
+                words = np.frombuffer(x.tobytes().ljust(8 * _PAYLOAD, b"\0"), np.int64)
+                values = self._announce(_CARRIED_BCAST, 0, code, target, x.size,
+                                        payload=words, writer=writer)
+                _check_root(target, highest or values[_ROOT_IS_ME] == 1)
+                data = self._announcement[_PAYLOAD_AT:].tobytes()[:x.nbytes]
+                out[...] = np.frombuffer(data, x.dtype).reshape(x.shape)
+                return _completed(out, f"bcast ({self._where}, carried)")
+            values = self._announce(_BCAST, 0, code, target, x.size)
+            target = values[_RANK] if highest else target
+            _check_root(target, highest or values[_ROOT_IS_ME] == 1)
         elif highest:
             target = self.size - 1
-        else:
-            _check_root(target, 0 <= target < self.size)
-        if self.rank == target:
+        if self.rank == target and out is not x:
             out[...] = x
-        return self._own(ibcast(self.comm, out, target, f"bcast from {target} ({self._where()})"))
+        return self._own(ibcast(self.comm, out, target, f"bcast from {target} ({self._where})"))
+
+    def _carrier(self, x: Any, root: int) -> int | None:
+        """The rank whose small `x` an announcement carries: `root`, or the highest active
+        rank when known (the same count of active ranks in one Join is the same ranks)."""
+        if type(x) is not np.ndarray or x.nbytes > 8 * _PAYLOAD:
+            return None
+        if root != -1:
+            return root
+        join, active, highest = self._highest
+        return highest if join is self._owner and active == self._active else None
 
     def bcast(self, x: Any, root: int | str = "highest_active", out: Any = None) -> Any:
         """The root's `x` on every active rank (see :meth:`ibcast`)."""
@@ -258,9 +426,6 @@ class JoinableComm(CommJoinable):
         self.device = device_of(x)
         return x
 
-    def _where(self) -> str:
-        return f"iteration {self._iteration}"
-
     # -- Joinable ------------------------------------------------------------------------------
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -269,10 +434,16 @@ class JoinableComm(CommJoinable):
 
 def _output(x: Any, out: Any) -> Any:
     if out is None:
-        return zeros_like(x)
+        return np.empty_like(x) if type(x) is np.ndarray else zeros_like(x)
+    if out is x:
+        return out
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be shaped and typed like the input: {x.shape} {x.dtype}, "
                          f"got {out.shape} {out.dtype}")
+    if (type(out) is np.ndarray and type(x) is np.ndarray and (out.base is not None
+                                                               or x.base is not None)
+            and np.may_share_memory(out, x)):  # two arrays without a base cannot overlap
+        raise ValueError("out overlaps the input without being it; pass out=x to work in place")
     return out
 
 
@@ -289,13 +460,13 @@ class _FollowAnnouncements(JoinHook):
         self.jc = jc
         self._buffers: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
-    def _shadow_buffers(self, op: int, shape: tuple, dtype: np.dtype) -> tuple:
-        """A joined rank's contribution and receive buffer, made once per op, shape and dtype."""
-        key = (op, shape, dtype)
+    def _shadow_buffers(self, op: int, count: int, dtype: np.dtype) -> tuple:
+        """A joined rank's contribution and receive buffer, made once per op, count and dtype."""
+        key = (op, count, dtype)
         buffers = self._buffers.pop(key, None)
         if buffers is None:
-            fill = identity(getattr(MPI, OPS[op - 1]), dtype) if op else 0
-            buffers = np.full(shape, fill, dtype), np.empty(shape, dtype)
+            fill = identity(_OP_OBJECTS[op - 1], dtype) if op else 0
+            buffers = np.full(count, fill, dtype), np.empty(count, dtype)
         self._buffers[key] = buffers  # most recent last
         if len(self._buffers) > self._CACHED:
             del self._buffers[next(iter(self._buffers))]
@@ -305,22 +476,31 @@ class _FollowAnnouncements(JoinHook):
         """Shadow one active iteration: follow the announcements until END."""
         jc = self.jc
         jc._iteration += 1
+        jc._where = f"iteration {jc._iteration}, joined"
         while True:
-            jc._announcement[:] = _NOBODY
-            jc._exchange_announcement(f"announcement of iteration {jc._iteration} (joined)")
-            kind, op, code, ndim, root, root_active, highest = jc._announcement[:_SHAPE_AT]
+            jc._announcement.fill(_NOBODY)
+            kind, op, code, root, count, rows, _, _, root_active, highest = (
+                jc._exchange_announcement())
             if kind == _END:
                 return
-            shape = tuple(int(n) for n in jc._announcement[_SHAPE_AT:_SHAPE_AT + ndim])
+            if kind == _CARRIED_ALLREDUCE:
+                continue
+            if kind == _CARRIED_BCAST:
+                _check_root(root, root == -1 or root_active == 1)
+                continue
+            if kind == _REFUSED:
+                raise _REFUSALS[op - 1](
+                    f"rank {jc.rank}: the active ranks' JoinableComm call in {jc._where} had a "
+                    f"bad argument (they raised {_REFUSALS[op - 1].__name__})")
             dtype = _DTYPES[code - 1]
             if kind == _ALLREDUCE:
-                contribution, received = self._shadow_buffers(op, shape, dtype)
-                jc._wait(iallreduce(jc.comm, contribution, received, getattr(MPI, OPS[op - 1]),
-                                    f"allreduce ({jc._where()}, joined)"))
+                contribution, received = self._shadow_buffers(op, count, dtype)
+                jc._wait(iallreduce(jc.comm, contribution, received, _OP_OBJECTS[op - 1],
+                                    f"allreduce ({jc._where})"))
             elif kind == _ALLGATHER:
-                jc._wait(jc._gather_rows(np.empty((0,) + shape[1:], dtype), 0))
+                jc._wait(jc._gather_rows(np.empty((0, count), dtype), rows))
             else:
-                target = int(highest) if root == -1 else int(root)
-                _check_root(target, bool(root_active) or root == -1)
-                jc._wait(ibcast(jc.comm, self._shadow_buffers(0, shape, dtype)[1], target,
-                                f"bcast from {target} ({jc._where()}, joined)"))
+                target = highest if root == -1 else root
+                _check_root(target, root == -1 or root_active == 1)
+                jc._wait(ibcast(jc.comm, self._shadow_buffers(0, count, dtype)[1], target,
+                                f"bcast from {target} ({jc._where})"))

@@ -75,17 +75,20 @@ class Work:
         Called once on completion; its return value is :meth:`result`.
     poller : Poller, optional
         Polled for failure notices of other ranks while waiting (the communicator's guard).
+    value : optional
+        The :meth:`result` when there is no `finish`.
     """
 
     __slots__ = ("_request", "_what", "_keep", "_finish", "_result", "_done", "poller")
 
     def __init__(self, request: MPI.Request, what: str, keep: tuple = (),
-                 finish: Callable[[], Any] | None = None, poller: Poller | None = None) -> None:
+                 finish: Callable[[], Any] | None = None, poller: Poller | None = None,
+                 value: Any = None) -> None:
         self._request = request
         self._what = what
         self._keep = keep
         self._finish = finish
-        self._result: Any = None
+        self._result: Any = value
         self._done = False
         self.poller = poller
         _pending[id(self)] = self
@@ -164,13 +167,16 @@ class Work:
             return True
         poller = self.poller if poll else None
         start = time.monotonic()
-        spin = _SPIN_S + sum(getattr(b, "nbytes", 0) for b in self._keep) / _SPIN_BYTES_PER_S
+        spin, sized = _SPIN_S, False
         sleep, tests = _MIN_SLEEP_S, 0
         while not self.is_completed():
             tests += 1
             waited = time.monotonic() - start
             if waited >= timeout:
                 return False
+            if waited >= spin and not sized:  # sized only when needed: most waits end sooner
+                spin += sum(getattr(b, "nbytes", 0) for b in self._keep) / _SPIN_BYTES_PER_S
+                sized = True
             if waited < spin:
                 if poller is not None and tests % _POLL_EVERY == 0:
                     poller.poll(self._what, start)

@@ -11,7 +11,7 @@ from test_data_parallel_mpi import UNEVEN
 from test_join_mpi import inputs_of
 
 from tensorplay_mpi import DataParallel, Join, JoinableComm, Work
-from tensorplay_mpi.joinable_comm import identity
+from tensorplay_mpi.joinable_comm import _from_keys, _keys, identity
 
 NUMPY_OPS = {"SUM": np.add, "PROD": np.multiply, "MAX": np.maximum, "MIN": np.minimum,
              "LAND": np.logical_and, "LOR": np.logical_or, "BAND": np.bitwise_and,
@@ -152,6 +152,25 @@ def test_identities():
     assert identity(MPI.LAND, np.bool_) and not identity(MPI.LOR, np.bool_)
     with pytest.raises(ValueError, match="supports the ops"):
         identity(MPI.MAXLOC, np.float64)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64", "uint8", "uint16",
+                                   "uint32", "uint64", "float16", "float32", "float64", "bool"])
+def test_keys_that_announcements_carry_keep_the_order_of_the_values(dtype):
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        info = np.finfo(dtype)
+        special = [-np.inf, info.min, -1.5, -info.tiny, -0.0, 0.0, info.tiny, 2.5, info.max, np.inf]
+    elif dtype.kind == "b":
+        special = [False, True]
+    else:
+        info = np.iinfo(dtype)
+        special = [info.min, info.min + 1, 0, 1, info.max - 1, info.max]
+    a = np.array(special, dtype)
+    b = np.random.default_rng(0).permutation(a)
+    for reduce, reverse in ((np.maximum, False), (np.minimum, True)):
+        carried = _from_keys(np.maximum(_keys(a, reverse), _keys(b, reverse)), dtype, reverse)
+        assert carried.dtype == dtype and carried.tobytes() == reduce(a, b).tobytes(), reduce
 
 
 @pytest.mark.mpi

@@ -1,0 +1,169 @@
+"""JoinableComm misused: the same clear error on every rank, whether or not a rank has joined."""
+
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import assert_all, run_mpi
+from mpi4py import MPI
+from test_failures_mpi import rss_bytes
+
+from tensorplay_mpi import Join, JoinableComm
+from tensorplay_mpi.joinable_comm import _digest
+
+PROGRAM = str(Path(__file__).parent / "programs" / "jc_misuse.py")
+MODES = ["every rank active", "rank 0 joined"]
+
+
+def run_loop(comm, mode, body):
+    """`body(jc)` once per iteration: outside a Join, or in a Join where rank 0 has no inputs."""
+    jc = JoinableComm(comm)
+    if mode == "every rank active":
+        return body(jc)
+    with Join([jc]):
+        for _ in range(0 if comm.rank == 0 else 1):
+            jc.begin_iteration()
+            return body(jc)
+
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    return None
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("join", ["none", "disabled"])
+def test_outside_an_enabled_join_nothing_is_retained(comm, join):
+    jc = JoinableComm(comm)
+    x = np.ones(2**17)  # 1 MiB
+
+    def loop(n):
+        for _ in range(n):
+            jc.allreduce(x)  # a fresh 1 MiB result each time
+            jc.iallreduce(x).wait()
+
+    loop(50)  # warm-up: allocator pools, MPI buffers
+    before = rss_bytes()
+    if join == "none":
+        loop(500)
+    else:
+        with Join([jc], enable=False):
+            loop(500)
+    growth = rss_bytes() - before
+    assert_all(growth < 16 * 2**20, f"resident memory grew by {growth / 2**20:.1f} MiB")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_any_number_of_dimensions_with_and_without_joined_ranks(comm):
+    x = np.full((1,) * 11 + (2,), float(comm.rank + 1))  # 12-d
+    got = []
+    with Join([JoinableComm(comm)]) as join:
+        jc = join.joinables[0]
+        for _ in range(1 if comm.rank == 0 else 2):  # iteration 2 without rank 0
+            jc.begin_iteration()
+            got.append(jc.allreduce(x))
+    everyone = sum(range(1, comm.size + 1))
+    expected = [everyone, everyone - 1][:len(got)]
+    ok = all(g.shape == x.shape and (g == e).all() for g, e in zip(got, expected))
+    assert_all(ok, f"{[g.ravel()[0] for g in got]} != {expected}")
+
+
+def _mismatched_rows(comm, what):
+    last = comm.rank == comm.size - 1
+    if what == "trailing dimensions":
+        return np.ones((1, 3 if last else 2))
+    return np.ones((1, 2), np.float32 if last else np.float64)
+
+
+@pytest.mark.mpi(min_size=3)  # two active ranks that differ, with rank 0 joined
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("what", ["trailing dimensions", "dtype"])
+def test_allgather_rows_that_differ_raise_the_same_error_on_every_rank(comm, mode, what):
+    error = error_of(lambda: run_loop(comm, mode, lambda jc: jc.allgather(
+        _mismatched_rows(comm, what))))
+    assert_all(isinstance(error, ValueError) and "same trailing dimensions" in str(error),
+               repr(error))
+    gathered = run_loop(comm, "every rank active", lambda jc: jc.allgather(np.ones((1, 2))))
+    assert_all(gathered.shape == (comm.size, 2), f"afterwards: {gathered.shape}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("root, kind", [(True, TypeError), (np.True_, TypeError),
+                                        (0.5, TypeError), (-1, ValueError), (99, ValueError)])
+def test_bad_bcast_roots_raise_the_same_error_on_every_rank(comm, mode, root, kind):
+    error = error_of(lambda: run_loop(comm, mode, lambda jc: jc.bcast(np.ones(2), root=root)))
+    assert_all(type(error) is kind, repr(error))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", MODES)
+def test_in_place_allreduce_and_bcast(comm, mode):
+    x = np.full(3, comm.rank + 1.0)
+    y = np.full(2, float(comm.rank))
+
+    def body(jc):
+        return jc.allreduce(x, MPI.MAX, out=x), jc.bcast(y, out=y)
+
+    got = run_loop(comm, mode, body)
+    if got is not None:  # None on a joined rank
+        total, top = got
+        ok = total is x and top is y and (x == comm.size).all() and (y == comm.size - 1).all()
+        assert_all(ok, f"{x} {y}")
+    else:
+        assert_all(True)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_overlapping_out_is_a_value_error(comm):
+    x = np.ones(4)
+    error = error_of(lambda: JoinableComm(comm).allreduce(x[:3], out=x[1:]))
+    assert_all(isinstance(error, ValueError) and "out=x" in str(error), repr(error))
+
+
+@pytest.mark.mpi(min_size=3)
+def test_active_ranks_announcing_different_operations_raise_on_every_rank(comm):
+    error = error_of(lambda: run_loop(comm, "rank 0 joined",
+                                      lambda jc: jc.allreduce(np.ones(comm.rank))))
+    assert_all(isinstance(error, RuntimeError) and "not one operation" in str(error), repr(error))
+    jc = JoinableComm(comm)
+    with Join([jc]):  # the communicator is still usable
+        for _ in range(comm.rank):
+            jc.begin_iteration()
+            jc.allreduce(np.ones(1))
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_an_operation_inside_dp_step_with_a_joined_rank_ends_clearly(nprocs):
+    start = time.monotonic()
+    result = run_mpi(nprocs, [PROGRAM], timeout=60)
+    elapsed = time.monotonic() - start
+    outcomes = dict(re.findall(r"^RESULT rank=(\d+) (.*)$", result.stdout, re.M))
+    assert result.returncode != 0 and elapsed < 30, (elapsed, result.stdout, result.stderr)
+    assert len(outcomes) == nprocs, result.stdout
+    for outcome in outcomes.values():
+        assert "in the order of its list" in outcome, outcome
+
+
+@pytest.mark.parametrize("fields, message", [
+    ((2, 1, 99, -1, 3, 0), "is invalid"),  # an allreduce of dtype code 99
+    ((2, 0, 12, -1, 3, 0), "is invalid"),  # an allreduce without an op
+    ((7, 0, 0, -1, 0, 0), "is invalid"),  # no such kind
+    ((4, 0, 12, 5, 3, 0), "is invalid"),  # a bcast root beyond the communicator
+    (None, "not one operation"),  # no announcement at all: a gradient bucket, say
+])
+def test_a_joined_rank_checks_what_it_receives(fields, message):
+    jc = JoinableComm(MPI.COMM_SELF)  # one rank: the announcement allreduce returns its input
+    slots = jc._announcement.size
+    if fields is None:
+        jc._announcement[:] = np.arange(slots, dtype=np.float64).view(np.int64)
+    else:
+        digest = _digest(fields)
+        jc._announcement[:] = fields + (digest, -digest, 0, 0) + (0,) * (slots - 10)
+    with pytest.raises(RuntimeError, match=message):
+        jc._exchange_announcement()
