@@ -1,13 +1,15 @@
 """Test helpers: the public ones of tensorplay_mpi.testing, under the names the tests import,
 and the parsing of the programs' RESULT lines."""
 
+import os
 import re
 
 from tensorplay_mpi.testing import (PATTERNS, active_counts, assert_all, inputs_of, mpiexec_path,
                                     raises_everywhere, run_at_sizes, run_mpi)
 
 __all__ = ["assert_all", "raises_everywhere", "PATTERNS", "inputs_of", "active_counts",
-           "mpiexec_path", "run_mpi", "run_at_sizes", "results"]
+           "mpiexec_path", "run_mpi", "run_at_sizes", "results", "UNEVEN", "gathered_equal",
+           "rss_bytes", "buckets_of"]
 
 
 def results(stdout):
@@ -18,3 +20,32 @@ def results(stdout):
     """
     found = re.findall(r"RESULT rank=(\d+) (.*?)(?=RESULT rank=|WENT ON rank=|$)", stdout, re.M)
     return {int(rank): text for rank, text in found}
+
+
+UNEVEN = ["three_plus_rank", "rank0_zero", "last_zero"]
+"""The uneven patterns of :data:`PATTERNS` (a rank with no input included)."""
+
+
+def gathered_equal(arrays, comm):
+    """True on every rank iff every rank holds bitwise the same arrays."""
+    every = comm.allgather([a.tobytes() for a in arrays])
+    return all(b == every[0] for b in every)
+
+
+def rss_bytes():
+    """This process's resident memory in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def buckets_of(grads):
+    """The gradients grouped by the buffer their memory belongs to (what DataParallel packed
+    together), observed through the public views only."""
+    groups = []
+    for g in grads:
+        group = next((grp for grp in groups if grp[0].base is g.base), None)
+        if group is None:
+            groups.append([g])
+        else:
+            group.append(g)
+    return groups

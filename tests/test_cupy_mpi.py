@@ -3,11 +3,9 @@
 import numpy as np
 import pytest
 from fake_device import reset_settings
-from helpers import assert_all
+from helpers import UNEVEN, assert_all, inputs_of
 from linear import make_problem, train
 from mpi4py import MPI
-from test_data_parallel_mpi import UNEVEN
-from test_join_mpi import inputs_of
 
 from tensorplay_mpi import Adam, Join, ZeroRedundancyOptimizer, buffers
 

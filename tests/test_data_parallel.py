@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from helpers import buckets_of
 from mpi4py import MPI
 from toys import AllReducer
 
@@ -29,12 +30,14 @@ def test_a_parameter_over_the_cap_gets_its_own_bucket_and_dtypes_never_mix():
         ([3], "float64"), ([2], "float32"), ([1], "float64"), ([0], "float64")]
 
 
-def test_grads_are_zero_copy_views_into_one_bucket(dp):
-    (bucket,) = dp._buckets
+def test_grads_are_zero_copy_views_into_one_bucket_filled_in_reverse(dp):
+    (bucket,) = buckets_of(dp.grads)
     dp.grads[0][...] = 1.0
     dp.grads[1] = np.arange(4.0)
-    assert [g.shape for g in dp.grads] == [(2, 3), (4,)]
-    np.testing.assert_array_equal(bucket.flat, np.r_[np.arange(4.0), np.ones(6)])
+    assert [g.shape for g in dp.grads] == [(2, 3), (4,)] and len(bucket) == 2
+    address = [g.__array_interface__["data"][0] for g in dp.grads]
+    assert address[0] == address[1] + dp.grads[1].nbytes  # the last parameter's comes first
+    np.testing.assert_array_equal(dp.grads[0], np.ones((2, 3)))
 
 
 def test_a_single_rank_step_averages_over_itself(dp):

@@ -2,20 +2,10 @@
 
 import numpy as np
 import pytest
-from helpers import assert_all
+from helpers import UNEVEN, assert_all, buckets_of, gathered_equal, inputs_of, raises_everywhere
 from linear import make_problem, replay, train
-from test_join_mpi import inputs_of
 
 from tensorplay_mpi import DataParallel, Join
-
-UNEVEN = ["three_plus_rank", "rank0_zero", "last_zero"]
-
-
-def gathered_equal(arrays, comm):
-    """True on every rank iff every rank holds bitwise the same arrays."""
-    every = comm.allgather([a.tobytes() for a in arrays])
-    return all(b == every[0] for b in every)
-
 
 def close(params, expected, rtol):
     return all(np.allclose(p, e, rtol=rtol, atol=0) for p, e in zip(params, expected))
@@ -30,7 +20,7 @@ def test_sgd_equals_serial_replay(comm, pattern, divide, bucket_cap_mb):
     params, dp = train(comm, data, inputs, divide_by_initial_world_size=divide,
                        bucket_cap_mb=bucket_cap_mb)
     expected = replay(data, inputs, divide_by_initial_world_size=divide)
-    assert_all(len(dp._buckets) == (2 if bucket_cap_mb < 1 else 1), "bucket count")
+    assert_all(len(buckets_of(dp.grads)) == (2 if bucket_cap_mb < 1 else 1), "bucket count")
     assert_all(close(params, expected, 1e-12), f"params {params} != replay {expected}")
     assert_all(gathered_equal(params, comm), "params differ across ranks at exit")
     # the joined ranks' hooks wrote the last average into their own grads
@@ -66,7 +56,7 @@ def test_mixed_dtypes_get_one_bucket_set_each(comm, pattern):
     data, inputs = make_problem(), inputs_of(pattern, comm.size)
     params, dp = train(comm, data, inputs, dtypes=dtypes)
     expected = replay(data, inputs, dtypes=dtypes)
-    kinds = sorted(str(b.flat.dtype) for b in dp._buckets)
+    kinds = sorted(str(bucket[0].dtype) for bucket in buckets_of(dp.grads))
     assert_all(kinds == ["float32", "float64"], f"buckets {kinds}")
     assert_all([p.dtype for p in params] == list(dtypes), "dtypes changed")
     assert_all(close(params, expected, 1e-5), f"params {params} != replay {expected}")
@@ -96,12 +86,8 @@ def test_buffers_follow_the_highest_active_rank(comm, pattern):
 @pytest.mark.mpi(min_size=2)
 def test_different_layouts_fail_on_every_rank(comm):
     shape = (3, 4) if comm.rank == 0 else (4, 3)
-    error = None
-    try:
+    with raises_everywhere(ValueError, match="different parameter"):
         DataParallel([np.zeros(shape)], comm=comm)
-    except ValueError as exc:
-        error = str(exc)
-    assert_all(error is not None and "different parameter" in error, f"got {error!r}")
 
 
 @pytest.mark.mpi(min_size=2)

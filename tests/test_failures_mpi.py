@@ -1,27 +1,21 @@
 """Reliability under mpiexec: soak, property-based protocol checks, failures all ranks share."""
 
-import os
+import re
 import time
 
 import numpy as np
 import pytest
 from fake_device import reset_settings
-from helpers import active_counts, assert_all
+from helpers import active_counts, assert_all, raises_everywhere, rss_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from test_join_mpi import run
-from toys import AllReducer
+from toys import AllReducer, run
 
 from tensorplay_mpi import (CollectiveMismatchError, DataParallel, Join, JoinableComm,
                             PeerFailureError)
 from tensorplay_mpi.comm import iallreduce, outstanding_requests
 from tensorplay_mpi.work import progress_pending
-
-
-def rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.mpi(min_size=4)
@@ -79,14 +73,12 @@ def test_protocol_invariants_hold_for_random_inputs(data):
 def test_an_inter_communicator_is_a_type_error(comm):
     half = comm.Split(comm.rank % 2, comm.rank)
     inter = half.Create_intercomm(0, comm, 1 - comm.rank % 2)  # leaders: world ranks 0, 1
-    error = None
     try:
-        Join([AllReducer(inter)])
-    except TypeError as exc:
-        error = str(exc)
-    inter.Free()
-    half.Free()
-    assert_all(error is not None and "Intracomm" in error, f"got {error!r}")
+        with raises_everywhere(TypeError, match="Intracomm"):
+            Join([AllReducer(inter)])
+    finally:
+        inter.Free()
+        half.Free()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -94,17 +86,13 @@ def test_debug_mismatch_raises_everywhere_and_the_communicator_stays_usable(comm
     monkeypatch.setenv("TENSORPLAY_MPI_DEBUG", "1")
     reset_settings()
     joinable = AllReducer(comm)
-    error = None
-    try:
+    with raises_everywhere(CollectiveMismatchError,
+                           match=re.escape("rank 1: allreduce 3xfloat64 op=SUM  [extra]")):
         with Join([joinable]):
             for i in range(4):
                 if comm.rank == 1 and i == 2:  # a collective the other ranks do not issue
                     iallreduce(comm, np.ones(3), np.empty(3), what="extra").wait()
                 joinable()
-    except CollectiveMismatchError as exc:
-        error = str(exc)
-    assert_all(error is not None and "rank 1: allreduce 3xfloat64 op=SUM  [extra]" in error,
-               f"got {error!r}")
     total = run([AllReducer(comm)], 1 + comm.rank)  # the same communicator, next Join
     expected = sum(active_counts([1 + r for r in range(comm.size)])[: 1 + comm.rank])
     assert_all(total == expected, f"next Join total {total} != {expected}")

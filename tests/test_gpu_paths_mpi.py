@@ -3,10 +3,8 @@
 import numpy as np
 import pytest
 from fake_device import Counters, FakeDeviceArray, on_device, use_mode
-from helpers import assert_all
+from helpers import UNEVEN, assert_all, gathered_equal, inputs_of
 from linear import make_problem, train
-from test_data_parallel_mpi import UNEVEN, gathered_equal
-from test_join_mpi import inputs_of
 
 from tensorplay_mpi import Adam, DataParallel, Join, ZeroRedundancyOptimizer
 

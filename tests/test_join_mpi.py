@@ -6,19 +6,10 @@ import warnings
 import numpy as np
 import pytest
 from helpers import PATTERNS, active_counts, assert_all, inputs_of
-from toys import AFTER_CONSTANT, AllReducer
+from toys import AFTER_CONSTANT, AllReducer, run
 
 from tensorplay_mpi import EarlyTerminationError, Join
 from tensorplay_mpi.comm import iallreduce
-
-
-def run(joinables, num_inputs, **join_kwargs):
-    """Each rank's loop: every input calls every joinable once; returns the sum of results."""
-    total = 0
-    with Join(joinables, **join_kwargs):
-        for _ in range(num_inputs):
-            total += sum(joinable() for joinable in joinables)
-    return total
 
 
 @pytest.mark.mpi

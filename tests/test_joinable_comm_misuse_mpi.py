@@ -6,9 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_all, run_mpi
+from helpers import assert_all, rss_bytes, run_mpi
 from mpi4py import MPI
-from test_failures_mpi import rss_bytes
 
 from tensorplay_mpi import Join, JoinableComm
 from tensorplay_mpi.joinable_comm import _digest

@@ -2,10 +2,8 @@
 
 import numpy as np
 import pytest
-from helpers import assert_all
+from helpers import UNEVEN, assert_all, inputs_of
 from linear import gradient, initial_params, make_problem, rank_batches
-from test_data_parallel_mpi import UNEVEN
-from test_join_mpi import inputs_of
 from textbook import optimizer, step
 
 from tensorplay_mpi import Adam, DataParallel, Join, ZeroRedundancyOptimizer

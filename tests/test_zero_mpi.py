@@ -2,10 +2,8 @@
 
 import numpy as np
 import pytest
-from helpers import assert_all
+from helpers import UNEVEN, assert_all, gathered_equal, inputs_of, raises_everywhere
 from linear import gradient, initial_params, make_problem, rank_batches
-from test_data_parallel_mpi import UNEVEN, gathered_equal
-from test_join_mpi import inputs_of
 
 from tensorplay_mpi import SGD, Adam, DataParallel, Join, ZeroRedundancyOptimizer
 
@@ -150,13 +148,8 @@ def test_different_layouts_raise_on_every_rank(comm, change):
     params = many_params()
     if comm.rank == 1:
         params = LAYOUTS[change](params)
-    try:
+    with raises_everywhere(ValueError, match="ranks passed different parameters"):
         ZeroRedundancyOptimizer(params, [p.copy() for p in params], Adam, comm=comm)
-        error = None
-    except ValueError as e:
-        error = str(e)
-    assert_all(error is not None and "ranks passed different parameters" in error,
-               f"got {error!r}")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -164,25 +157,17 @@ def test_different_layouts_raise_on_every_rank(comm, change):
 def test_different_optimizer_settings_raise_on_every_rank(comm, settings):
     optimizer_class, hyper = settings if comm.rank == 1 else (Adam, {"lr": 0.1})
     params = many_params()
-    try:
+    with raises_everywhere(ValueError, match="optimizer settings"):
         ZeroRedundancyOptimizer(params, [p.copy() for p in params], optimizer_class, comm=comm,
                                 **hyper)
-        error = None
-    except ValueError as e:
-        error = str(e)
-    assert_all(error is not None and "optimizer settings" in error, f"got {error!r}")
 
 
 @pytest.mark.mpi(min_size=2)
 def test_a_read_only_param_on_one_rank_raises_on_every_rank(comm):
     params = many_params()
     params[0].flags.writeable = comm.rank != 1
-    try:
+    with raises_everywhere(ValueError, match="different parameters"):
         ZeroRedundancyOptimizer(params, [p.copy() for p in params], Adam, comm=comm)
-        error = None
-    except ValueError as e:
-        error = str(e)
-    assert_all(error is not None and "different parameters" in error, f"got {error!r}")
 
 
 @pytest.mark.mpi

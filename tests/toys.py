@@ -94,3 +94,11 @@ class NoInit(Joinable):
     def join_process_group(self):
         return self.comm
 
+
+def run(joinables, num_inputs, **join_kwargs):
+    """Each rank's loop: every input calls every joinable once; returns the sum of results."""
+    total = 0
+    with Join(joinables, **join_kwargs):
+        for _ in range(num_inputs):
+            total += sum(joinable() for joinable in joinables)
+    return total
