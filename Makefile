@@ -123,6 +123,7 @@ bench: venv
 	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_jc.py \
 	    --out benchmarks/results/jc-$$n-ranks.json || exit 1; \
 	done
+	$(MAKE) --no-print-directory bench-threads
 
 # BLAS threads: a DataParallel step in the default environment against OPENBLAS_NUM_THREADS=1,
 # launches interleaved (the environment is read when BLAS loads); JSON in benchmarks/results/.

@@ -56,9 +56,11 @@ class Verdict(NamedTuple):
     """The highest `progress` any rank reported (meaningful when intact)."""
 
 
-def _idup(comm: MPI.Intracomm) -> MPI.Intracomm:
+def _idup(comm: MPI.Intracomm, what: str) -> MPI.Intracomm:
+    """A duplicate of `comm`, under the library deadline (a rank that never comes is reported)."""
     dup, request = comm.Idup()
-    request.Wait()
+    Work(request, f"{what} (the first Join or joinable on a communicator is collective: every "
+         "rank must make it)").wait_or_abort(settings().timeout)
     return dup
 
 
@@ -67,8 +69,8 @@ class Guard:
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.notices = _idup(comm)
-        self.checks = _idup(comm)
+        self.notices = _idup(comm, "the guard's failure-notice communicator")
+        self.checks = _idup(comm, "the guard's debug-check communicator")
         self.received: list[tuple] = []  # notices of the failure being settled
         self._first_notice: float | None = None
         self._settled: tuple[BaseException, Verdict] | None = None  # the latest settle

@@ -50,10 +50,10 @@ class CommJoinable(Joinable):
         super().__init__()
         self.comm = check_comm(default_comm() if comm is None else comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.timeout = resolve_timeout(timeout)
         self.device = device
-        self._guard = Guard.attach(self.comm)
-        limit_threads(self.comm)
+        self._guard = Guard.attach(self.comm)  # collective first: a bad timeout on one rank
+        limit_threads(self.comm)  # must not leave the others waiting in it
+        self.timeout = resolve_timeout(timeout)
 
     def _wait(self, work: Work) -> Any:
         """Wait for `work` under this joinable's deadline; return its result."""
