@@ -97,6 +97,17 @@ def _op_code(op: Any) -> int:
     return OPS.index(name) + 1
 
 
+_OP_KINDS = ("iufc", "iufc", "iuf", "iuf", "iub", "iub", "iub", "iu", "iu", "iu")
+"""The NumPy dtype kinds MPI defines each op of :data:`OPS` on (its order)."""
+
+
+def _refuse_op(op_code: int, dtype: np.dtype) -> NoReturn:
+    kinds = {"i": "signed", "u": "unsigned", "f": "floating", "c": "complex", "b": "bool"}
+    allowed = ", ".join(kinds[k] for k in _OP_KINDS[op_code - 1])
+    raise TypeError(f"MPI.{OPS[op_code - 1]} does not apply to dtype {dtype}: MPI defines it on "
+                    f"{allowed} arrays")
+
+
 def _dtype_code(dtype: np.dtype) -> int:
     code = _DTYPE_CODES.get(dtype)
     if code is None:
@@ -306,6 +317,8 @@ class JoinableComm(CommJoinable):
             x = x if type(x) is np.ndarray else self._array(x)
             code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
             op_code = _OP_CODES.get(id(op)) or _op_code(op)
+            if x.dtype.kind not in _OP_KINDS[op_code - 1]:
+                _refuse_op(op_code, x.dtype)
             out = _output(x, out)
         except (TypeError, ValueError) as error:
             self._refuse(error)

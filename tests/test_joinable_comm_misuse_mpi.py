@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_all, rss_bytes, run_mpi
+from helpers import assert_all, raises_everywhere, rss_bytes, run_mpi
 from mpi4py import MPI
 
 from tensorplay_mpi import Join, JoinableComm
@@ -166,3 +166,23 @@ def test_a_joined_rank_checks_what_it_receives(fields, message):
         jc._announcement[:] = fields + (digest, -digest, 0, 0) + (0,) * (slots - 10)
     with pytest.raises(RuntimeError, match=message):
         jc._exchange_announcement()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype, op", [(np.bool_, MPI.MAX), (np.float64, MPI.BAND),
+                                       (np.complex128, MPI.MIN)])
+@pytest.mark.parametrize("joined", [False, True])
+def test_an_op_mpi_does_not_define_on_the_dtype_is_a_type_error_in_both_modes(
+        comm, dtype, op, joined):
+    jc = JoinableComm(comm)
+    # active ranks name the op and dtype; a joined rank learns the kind from the announcement
+    with raises_everywhere(TypeError, match=r"does not apply to dtype|had a bad argument"):
+        with Join([jc]):
+            for i in range(2 if joined and comm.rank == 0 else 3):  # rank 0 joins: or not
+                jc.begin_iteration()
+                bad = i == 2
+                jc.allreduce(np.ones(2, dtype if bad else np.float64), op=op if bad else MPI.SUM)
+    with Join([jc]):  # the communicator stays usable
+        jc.begin_iteration()
+        total = jc.allreduce(np.ones(1))
+    assert_all(total[0] == comm.size, f"total {total}")

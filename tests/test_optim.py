@@ -335,3 +335,18 @@ def test_cupy_kernels_follow_the_rule(kind):
                         [s + [np.array(0.3)] for s in host_grads])
     assert all(type(p) is cupy.ndarray for p in params)
     assert_params_close([cupy.asnumpy(p) for p in params], expected)
+
+
+def test_an_optimizer_bound_to_a_plain_list_of_dp_grads_is_recognised_too():
+    params = [np.ones(3), np.ones(2)]
+    dp = DataParallel(params)
+    opt = Adam(params, list(dp.grads))  # the same views, not the GradientViews object
+    with pytest.raises(RuntimeError, match=r"Adam holds optimizer state .* Join\(\[dp, opt\]\)"):
+        with Join([dp]):
+            with dp.step():
+                pass
+    with Join([dp, opt]):  # listed: fine
+        with dp.step():
+            dp.grads[0][...] = 1.0
+        opt.step()
+    assert opt.steps == 1

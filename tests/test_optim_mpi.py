@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from helpers import UNEVEN, assert_all, inputs_of
+from helpers import UNEVEN, assert_all, inputs_of, raises_everywhere
 from linear import gradient, initial_params, make_problem, rank_batches
 from textbook import optimizer, step
 
@@ -225,3 +225,21 @@ def test_dataparallel_averages_0d_params(comm, pattern, bucket_cap_mb):
         for i, g in enumerate(grads):
             ok = ok and np.allclose(g, active * (i + 1) * (t + 1) / comm.size, rtol=1e-14)
     assert_all(ok, f"averages {got}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_no_sync_with_a_stateful_optimizer_once_a_rank_joined_raises_everywhere(comm):
+    """Joined ranks step the optimizer every round, so accumulating with no_sync would make
+    its state diverge: every rank raises at the first such step."""
+    params = [np.ones(3)]
+    dp = DataParallel(params, comm=comm)
+    opt = Adam(params, dp.grads, lr=0.1)
+    with raises_everywhere(RuntimeError, match="no_sync.* stateful optimizer"):
+        with Join([dp, opt]):
+            for _ in range(1 if comm.rank == 0 else 3):  # rank 0 joins after one step
+                with dp.no_sync():
+                    with dp.step():
+                        dp.grads[0][...] = 1.0
+                with dp.step():
+                    dp.grads[0][...] = 1.0
+                opt.step()

@@ -50,7 +50,8 @@ def is_writeable(array: Any) -> bool:
 
 def comm_of_grads(grads: Any) -> MPI.Intracomm:
     """The communicator of the DataParallel owning `grads` (``dp.grads``), else the default."""
-    owner = grads.owner if isinstance(grads, GradientViews) else None
+    views = GradientViews.of(grads)
+    owner = None if views is None else views.owner
     return default_comm() if owner is None else owner.comm
 
 
@@ -92,7 +93,7 @@ class Optimizer(Joinable):
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  comm: MPI.Intracomm | None = None, **defaults: Any) -> None:
         super().__init__()
-        self._grad_views = grads if isinstance(grads, GradientViews) else None
+        self._grad_views = GradientViews.of(grads)
         self.comm = check_comm(comm_of_grads(grads) if comm is None else comm)
         self.params = list(params)
         self.grads = list(grads)

@@ -99,8 +99,10 @@ class ZeroRedundancyOptimizer(CommJoinable):
                                      [grads[i] for i in self.shard], comm=self.comm,
                                      **defaults)
         self._consolidated: dict[str, Any] | None = None
-        if isinstance(views, GradientViews):
-            views.add_consumer(self)  # DataParallel's Joins must list this optimizer too
+        bound = GradientViews.of(views)
+        if bound is not None:  # DataParallel's Joins must list this optimizer, which steps
+            bound.discard_consumer(self.local)  # its shard optimizer
+            bound.add_consumer(self)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -71,6 +71,16 @@ def make_buckets(params: list[np.ndarray], cap_bytes: float) -> tuple[list[Bucke
     return buckets, bucket_of, views
 
 
+_VIEWS_OF_MEMORY: "weakref.WeakValueDictionary[tuple, GradientViews]" = \
+    weakref.WeakValueDictionary()  # (data address, shape) of the first view -> its views
+
+
+def _memory(array: Any) -> tuple:
+    interface = getattr(array, "__array_interface__", None) or getattr(
+        array, "__cuda_array_interface__", {})
+    return interface.get("data", (None,))[0], getattr(array, "shape", None)
+
+
 class GradientViews(Sequence):
     """The gradients, as views into the buckets: read them, write into them, never rebind.
 
@@ -86,6 +96,27 @@ class GradientViews(Sequence):
         self._owner = None if owner is None else weakref.ref(owner)
         self._consumers: list[weakref.ref] = []
         self._checked: weakref.ref | None = None  # the Join checked last
+        if self._views:
+            _VIEWS_OF_MEMORY[_memory(self._views[0])] = self
+
+    @staticmethod
+    def of(grads: Any) -> "GradientViews | None":
+        """The GradientViews `grads` is, or whose views it holds (``list(dp.grads)``), else
+        ``None``: an optimizer bound to copies of the list is still recognised."""
+        if isinstance(grads, GradientViews):
+            return grads
+        views = _VIEWS_OF_MEMORY.get(_memory(grads[0])) if len(grads) else None
+        if views is None or len(views) != len(grads):
+            return None
+        return views if all(g is v for g, v in zip(grads, views)) else None
+
+    def discard_consumer(self, consumer: Any) -> None:
+        """Forget `consumer` (an optimizer that another one steps, as ZeRO's shard optimizer)."""
+        self._consumers = [ref for ref in self._consumers if ref() not in (None, consumer)]
+
+    def has_consumers(self) -> bool:
+        """Whether a live optimizer holding state steps with these gradients."""
+        return any(ref() is not None for ref in self._consumers)
 
     @property
     def owner(self) -> Any:

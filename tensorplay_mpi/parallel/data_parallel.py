@@ -325,6 +325,11 @@ class DataParallel(CommJoinable):
             raise RuntimeError(
                 f"{syncing} of {active} active ranks synchronise gradients in this step: every "
                 "active rank must use dp.no_sync() for the same steps")
+        if not syncing and self.grads.has_consumers():
+            raise RuntimeError(
+                "dp.no_sync() while a rank has joined, with a stateful optimizer in the Join: "
+                "joined ranks step the optimizer every round, so its state would diverge; "
+                "accumulate micro-batches inside one dp.step() instead")
         if by_world and by_active:
             raise ValueError(
                 f"joined ranks passed different divide_by_initial_world_size to their Join "
