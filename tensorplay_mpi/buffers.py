@@ -193,12 +193,12 @@ class Staging:
     copies written buffers back to the device; call it when the operation has completed.
     """
 
-    __slots__ = ("_copy_back", "_synced", "_hosts")
+    __slots__ = ("_copy_back", "_synced", "hosts")
 
     def __init__(self) -> None:
         self._copy_back: list[tuple[Any, np.ndarray]] = []
         self._synced = False
-        self._hosts: list[np.ndarray] = []  # this operation's host buffers, alive until done
+        self.hosts: tuple[np.ndarray, ...] = ()  # this operation's host buffers, kept until done
 
     def read(self, buf: Any) -> Any:
         return self._stage(buf, copy_in=True, copy_back=False)
@@ -218,17 +218,12 @@ class Staging:
         if cuda_aware()[0]:
             return buf
         host = _host_buffer(buf)
-        self._hosts.append(host)
+        self.hosts += (host,)
         if copy_in:
             buf.get(out=host)
         if copy_back:
             self._copy_back.append((buf, host))
         return host
-
-    @property
-    def hosts(self) -> tuple[np.ndarray, ...]:
-        """The operation's host buffers (to keep alive until it completes)."""
-        return tuple(self._hosts)
 
     @property
     def copies_back(self) -> bool:

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
 from mpi4py import MPI
 
 from .buffers import Staging
 from .guard import Guard
 from .ops import OPS, op_name
 from .settings import positive_seconds, settings
-from .work import Work, outstanding_requests, progress_pending
+from .work import Work, outstanding_requests
 
 __all__ = [
     "Work",
@@ -40,9 +41,6 @@ __all__ = [
     "OPS",
     "op_name",
 ]
-
-_PROGRESS_AT = 32  # pending operations from which a start first tests them all
-
 
 def default_timeout() -> float:
     """Seconds a library wait may take: ``$TENSORPLAY_MPI_TIMEOUT``, default 1800.
@@ -89,8 +87,10 @@ def check_comm(comm: Any, name: str = "comm") -> MPI.Intracomm:
 
 
 def _check_buffer(buf: Any, name: str, what: str) -> None:
-    if buf is not MPI.IN_PLACE and not hasattr(buf, "__array_interface__") \
-            and not hasattr(buf, "__cuda_array_interface__") and not isinstance(buf, memoryview):
+    if type(buf) is np.ndarray or buf is MPI.IN_PLACE:  # the common case, without look-ups
+        return
+    if not hasattr(buf, "__array_interface__") and not hasattr(buf, "__cuda_array_interface__") \
+            and not isinstance(buf, memoryview):
         raise TypeError(f"{what}: {name} must be an array (NumPy or CuPy), got "
                         f"{type(buf).__name__}; convert it with numpy.asarray")
 
@@ -104,7 +104,6 @@ def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Reques
     The Work's result is `value`, or ``finish(value)``; staged buffers are copied back first.
     Host buffers (nothing staged, no `finish`) need no completion callback at all.
     """
-    progress_pending(_PROGRESS_AT)
     guard = Guard.of(comm)
     if guard is not None:
         guard.before_collective(kind, what, signature)

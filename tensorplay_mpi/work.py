@@ -36,6 +36,7 @@ _MIN_SLEEP_S = 1e-5
 _MAX_SLEEP_S = 2.5e-4
 _POLL_EVERY = 64  # tests between two looks for failure notices while spinning
 _REPORT_GRACE_S = 0.5  # between printing a timeout report and aborting
+_PROGRESS_AT = 32  # pending operations from which each new one first tests them all
 
 _LIKELY_CAUSES = (
     "Likely causes: (1) a joinable missing from the Join's list, so joined ranks do not "
@@ -91,6 +92,8 @@ class Work:
         self._result: Any = value
         self._done = False
         self.poller = poller
+        if len(_pending) >= _PROGRESS_AT:  # dropped Works do not pile up
+            progress_pending()
         _pending[id(self)] = self
 
     def __repr__(self) -> str:
@@ -230,12 +233,11 @@ def outstanding_requests() -> int:
     return len(_pending)
 
 
-def progress_pending(at_least: int = 0) -> None:
-    """Test the pending operations once (completing those that are done), when there are at
-    least `at_least` of them.  Library starts call it, so dropped Works do not pile up."""
-    if len(_pending) >= max(at_least, 1):
-        for work in list(_pending.values()):
-            work.is_completed()
+def progress_pending() -> None:
+    """Test every pending operation once, completing those that are done.  Each new Work does
+    it while many are pending, so dropped Works do not pile up."""
+    for work in list(_pending.values()):
+        work.is_completed()
 
 
 def complete_pending(poller: Poller | None, timeout: float) -> None:
