@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+from report import report
 
 from tensorplay_mpi import DataParallel, Join
 from tensorplay_mpi.comm import iallreduce
@@ -44,12 +45,4 @@ try:
                     raise ValueError(f"boom in iteration {iteration}")
 except Exception as exc:
     error = exc
-world.Barrier()  # outside the library, on another communicator: every rank is alive here
-for rank in range(world.size):
-    if rank == world.rank:
-        outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
-        print(f"RESULT rank={rank} {outcome}", flush=True)
-    world.Barrier()
-if error is not None:
-    time.sleep(0.5)  # let mpiexec forward every rank's RESULT before the abort ends the job
-    raise error
+report(world, error)

@@ -8,10 +8,10 @@ an announcement.  Every rank prints ``RESULT rank=R ExceptionType: message`` (or
 order, then raises again so that the job ends non-zero.
 """
 
-import time
 
 import numpy as np
 from mpi4py import MPI
+from report import report
 
 from tensorplay_mpi import DataParallel, Join, JoinableComm
 
@@ -29,12 +29,4 @@ try:
                 jc.allreduce(np.ones(2))
 except Exception as exc:
     error = exc
-world.Barrier()  # outside the library, on another communicator: every rank is alive here
-for rank in range(world.size):
-    if rank == world.rank:
-        outcome = "ok" if error is None else f"{type(error).__name__}: {error}"
-        print(f"RESULT rank={rank} {outcome}", flush=True)
-    world.Barrier()
-if error is not None:
-    time.sleep(0.5)  # let mpiexec forward every rank's RESULT before the abort ends the job
-    raise error
+report(world, error)
