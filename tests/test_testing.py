@@ -2,8 +2,9 @@
 
 import numpy as np
 import pytest
+from toys import AllReducer
 
-from tensorplay_mpi import CollectiveMismatchError, Join, Joinable, JoinHook
+from tensorplay_mpi import CollectiveMismatchError, Join, JoinHook
 from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.settings import settings
 from tensorplay_mpi.testing import (PATTERNS, active_counts, assert_all, inputs_of,
@@ -53,12 +54,12 @@ def test_raises_everywhere_fails_on_every_rank_naming_the_odd_rank(comm, rank1_r
     assert_all(str(failed.value) == detail, str(failed.value))
 
 
-class Reducer(Joinable):
+class Reducer(AllReducer):
     """Reduces `count` values per input; its hook shadows `shadow_count` values."""
 
     def __init__(self, comm, count, shadow_count):
-        super().__init__()
-        self.comm, self.count, self.shadow_count = comm, count, shadow_count
+        super().__init__(comm)
+        self.count, self.shadow_count = count, shadow_count
 
     def __call__(self):
         Join.notify_join_context(self)
@@ -75,14 +76,6 @@ class Reducer(Joinable):
                 reducer.reduce(reducer.shadow_count)
 
         return Shadow()
-
-    @property
-    def join_device(self):
-        return "cpu"
-
-    @property
-    def join_process_group(self):
-        return self.comm
 
 
 @pytest.mark.mpi(min_size=2)

@@ -245,16 +245,11 @@ class DataParallel(CommJoinable):
         self._steps += 1
         self._step = _Step(self._steps, heartbeat, self._sync, len(self.params),
                            [len(b.members) for b in self._buckets])
-        try:
+        with self._settling_failures():
             if self.buffers:
                 self._resolve()  # the forward pass reads the broadcast buffers
             yield self
             self._finish_buckets()
-        except BaseException as error:
-            self._recover(error)
-            raise
-        finally:
-            self._step = None
 
     def mark_ready(self, index: int) -> None:
         """Gradient `index` is final for this step: its bucket may start reducing now.
@@ -359,6 +354,18 @@ class DataParallel(CommJoinable):
                 self._start_bucket(step, k + 1, shadow)  # posted before this bucket's division
             bucket.flat /= step.divisor
 
+    @contextlib.contextmanager
+    def _settling_failures(self) -> Iterator[None]:
+        """Around one step (active or shadowed): an exception is settled (:meth:`_recover`)
+        before it propagates; the step ends either way."""
+        try:
+            yield
+        except BaseException as error:
+            self._recover(error)
+            raise
+        finally:
+            self._step = None
+
     def _recover(self, error: BaseException) -> None:
         """A step's failure path: agree with every rank, complete what the furthest one started.
 
@@ -378,15 +385,10 @@ class DataParallel(CommJoinable):
         self._steps += 1
         self._step = step = _Step(self._steps, None, False, len(self.params), [])
         step.resolved = True
-        try:
+        with self._settling_failures():
             self._exchange_control(step, divide_by_world)
             self._broadcast(self.buffers, step.root, "buffer broadcast")
             self._finish_buckets(shadow=True)
-        except BaseException as error:
-            self._recover(error)
-            raise
-        finally:
-            self._step = None
 
     def _final_broadcast(self, is_last_joiner: bool) -> None:
         """Broadcast from the highest last joiner: buffers always, params unless all are last.
