@@ -36,7 +36,7 @@ _MIN_SLEEP_S = 1e-5
 _MAX_SLEEP_S = 2.5e-4
 _POLL_EVERY = 64  # tests between two looks for failure notices while spinning
 _REPORT_GRACE_S = 0.5  # between printing a timeout report and aborting
-_PROGRESS_AT = 32  # pending operations from which each new one first tests them all
+_PROGRESS_AT = 32  # pending operations from which a new one first tests them all
 
 _LIKELY_CAUSES = (
     "Likely causes: (1) a joinable missing from the Join's list, so joined ranks do not "
@@ -56,6 +56,7 @@ class Poller(Protocol):
 
 
 _pending: dict[int, Work] = {}  # id -> Work, in start order; strong references
+_progress_at = _PROGRESS_AT  # doubles while operations stay pending: amortised O(1) a start
 
 
 class Work:
@@ -92,7 +93,7 @@ class Work:
         self._result: Any = value
         self._done = False
         self.poller = poller
-        if len(_pending) >= _PROGRESS_AT:  # dropped Works do not pile up
+        if len(_pending) >= _progress_at:  # dropped Works do not pile up
             progress_pending()
         _pending[id(self)] = self
 
@@ -236,8 +237,10 @@ def outstanding_requests() -> int:
 def progress_pending() -> None:
     """Test every pending operation once, completing those that are done.  Each new Work does
     it while many are pending, so dropped Works do not pile up."""
+    global _progress_at
     for work in list(_pending.values()):
         work.is_completed()
+    _progress_at = max(_PROGRESS_AT, 2 * len(_pending))
 
 
 def complete_pending(poller: Poller | None, timeout: float) -> None:
