@@ -51,3 +51,15 @@ def test_the_gpu_template_gives_each_rank_a_gpu_and_trains_on_it():
 def test_time_limits_are_read_as_slurm_does():
     assert seconds("00:10:00") == 600 and seconds("1-02:00:00") == 93600
     assert seconds("30:00") == 1800
+
+
+@pytest.mark.parametrize("name", ["train.sbatch", "train-gpu.sbatch"])
+def test_the_program_line_is_marked_as_the_one_to_edit(name):
+    lines = (SLURM / name).read_text().splitlines()
+    last_srun = max(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert lines[last_srun - 1].startswith("# EDIT: your own program"), lines[last_srun - 1]
+
+
+def test_the_pytest_template_loads_the_plugin_without_a_warning():
+    """`-p tensorplay_mpi.testing`, the form of docs/testing.md that pytest does not warn about."""
+    assert "-p tensorplay_mpi.testing" in (SLURM / "pytest.sbatch").read_text()
