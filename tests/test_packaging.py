@@ -44,3 +44,17 @@ def test_the_changelog_keeps_a_changelog_with_this_version():
     assert versions[0] == "Unreleased" and tensorplay_mpi.__version__ in versions
     sections = set(re.findall(r"^### (\w+)", text, re.M))
     assert sections <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}
+
+
+def test_make_help_lists_every_target_once():
+    """Each phony target has one rule (one recipe) and one line in `make help`."""
+    makefile = (ROOT / "Makefile").read_text()
+    phony = set(re.search(r"^\.PHONY:(.*?)\n\n", makefile, re.M | re.S).group(1)
+                .replace("\\", " ").split())
+    for target in phony:
+        assert len(re.findall(rf"^{target}:", makefile, re.M)) == 1, target
+    result = subprocess.run(["make", "-s", "-C", str(ROOT), "help"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    listed = re.findall(r"^  make (\S+) +\S", result.stdout, re.M)
+    assert sorted(listed) == sorted(phony)
