@@ -1,6 +1,18 @@
-"""Shared fixtures.  The tensorplay_mpi.testing plugin (``-p`` in pyproject.toml) gives the
-``comm`` fixture, a fresh communicator per MPI test that must end with no pending request, and
-debug mode (collective signature checks) on unless TENSORPLAY_MPI_DEBUG is set."""
+"""Shared fixtures, and the three tiers of this suite (``make test`` runs them all):
+
+1. serial tests: ``pytest -m "not mpi"``, one process, no ``mpiexec`` (``COMM_WORLD`` has one
+   rank): the API, user errors, buffers, settings, docs and packaging;
+2. in-process MPI tests: ``@pytest.mark.mpi(min_size=...)``, pytest itself under
+   ``mpiexec -n N python -m mpi4py`` at N = 1 to 4 (``make test-mpi``), verdicts gathered so
+   every rank passes or fails together;
+3. launched programs: ``tests/programs/*.py``, started by a serial test under ``mpiexec`` with a
+   hard timeout (``helpers.run_mpi``) for what cannot happen inside pytest (aborts, signals,
+   killed ranks, exit codes); each rank prints ``RESULT rank=R ...`` lines that
+   ``helpers.results`` reads.
+
+The tensorplay_mpi.testing plugin (``-p`` in pyproject.toml) gives the ``comm`` fixture, a fresh
+duplicate of ``COMM_WORLD`` per test that must end with no pending request, and debug mode
+(collective signature checks) on unless TENSORPLAY_MPI_DEBUG is set."""
 
 import pytest
 from fake_device import reset_settings

@@ -116,12 +116,6 @@ def test_no_sync_inside_a_step_is_a_runtime_error(dp):
                 pass
 
 
-def test_no_sync_leaves_gradients_local(dp):
-    with dp.no_sync(), dp.step():
-        dp.grads[1] = np.full(4, 3.0)
-    np.testing.assert_array_equal(dp.grads[1], np.full(4, 3.0))
-
-
 def test_data_parallel_must_be_the_first_joinable(dp):
     with Join([AllReducer(MPI.COMM_SELF), dp]):
         with pytest.raises(RuntimeError, match="first joinable"):

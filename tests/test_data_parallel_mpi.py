@@ -27,6 +27,17 @@ def test_sgd_equals_serial_replay(comm, pattern, divide, bucket_cap_mb):
     assert_all(gathered_equal(list(dp.grads), comm), "grads differ across ranks at exit")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_no_sync_leaves_gradients_local(comm):
+    """Each rank keeps its own gradient (an average would differ on every rank)."""
+    dp = DataParallel([np.zeros((2, 3)), np.zeros(4)], comm=comm)
+    mine = np.full(4, comm.rank + 1.0)
+    with Join([dp]):
+        with dp.no_sync(), dp.step():
+            dp.grads[1] = mine
+    assert_all(np.array_equal(dp.grads[1], mine), f"rank {comm.rank}: {dp.grads[1]} != {mine}")
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("pattern", UNEVEN)
 @pytest.mark.parametrize("sync_every", [2, 3])

@@ -1,24 +1,15 @@
-"""Serial tests of the Join API (one rank, COMM_SELF): contract, user errors, improvements."""
+"""Serial tests of the Join API (one rank, the plugin's `comm`): contract, user errors."""
 
 import warnings
 
 import numpy as np
 import pytest
-from fake_device import reset_settings
 from mpi4py import MPI
 from toys import AllReducer, NoInit
 
 from tensorplay_mpi import Join, Joinable, JoinHook, Work
 from tensorplay_mpi.algorithms import join as join_module
 from tensorplay_mpi.comm import iallreduce
-from tensorplay_mpi.settings import settings
-
-
-@pytest.fixture
-def comm():
-    dup = MPI.COMM_SELF.Dup()
-    yield dup
-    dup.Free()
 
 
 def test_public_names_import_from_both_places():
@@ -190,28 +181,3 @@ def test_work_wait_refuses_a_timeout_that_never_or_already_ended(comm, timeout):
     with pytest.raises(ValueError, match="finite number >= 0"):
         work.wait(timeout)
     work.wait()
-
-
-@pytest.mark.parametrize("name", ["TENSORPLAY_MPI_TIMEOUT", "TENSORPLAY_MPI_GRACE"])
-def test_a_bad_seconds_variable_is_a_value_error(comm, monkeypatch, name):
-    monkeypatch.setenv(name, "soon")
-    reset_settings()
-    with pytest.raises(ValueError, match=f"{name} must be a positive number of seconds, "
-                                         "got 'soon'"):
-        settings()
-
-
-@pytest.mark.parametrize("text, on", [("1", True), ("true", True), ("YES", True), ("on", True),
-                                      ("0", False), ("False", False), ("no", False), ("", False)])
-def test_debug_accepts_the_usual_spellings(monkeypatch, text, on):
-    monkeypatch.setenv("TENSORPLAY_MPI_DEBUG", text)
-    reset_settings()
-    assert settings().debug is on
-
-
-def test_an_unknown_debug_value_is_a_value_error(monkeypatch):
-    monkeypatch.setenv("TENSORPLAY_MPI_DEBUG", "maybe")
-    reset_settings()
-    with pytest.raises(ValueError, match="TENSORPLAY_MPI_DEBUG must be one of 1/true/yes/on or "
-                                         "0/false/no/off, got 'maybe'"):
-        settings()

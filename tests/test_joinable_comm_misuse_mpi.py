@@ -1,12 +1,11 @@
 """JoinableComm misused: the same clear error on every rank, whether or not a rank has joined."""
 
-import re
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_all, raises_everywhere, rss_bytes, run_mpi
+from helpers import assert_all, raises_everywhere, results, rss_bytes, run_mpi
 from mpi4py import MPI
 
 from tensorplay_mpi import Join, JoinableComm
@@ -142,7 +141,7 @@ def test_an_operation_inside_dp_step_with_a_joined_rank_ends_clearly(nprocs):
     start = time.monotonic()
     result = run_mpi(nprocs, [PROGRAM], timeout=60)
     elapsed = time.monotonic() - start
-    outcomes = dict(re.findall(r"^RESULT rank=(\d+) (.*)$", result.stdout, re.M))
+    outcomes = results(result.stdout)
     assert result.returncode != 0 and elapsed < 30, (elapsed, result.stdout, result.stderr)
     assert len(outcomes) == nprocs, result.stdout
     for outcome in outcomes.values():
