@@ -1,15 +1,17 @@
 """BLAS and OpenMP threads: one share of the node's cores per rank, set at run time.
 
 NumPy's BLAS starts one thread per core in every rank, so ranks sharing a node oversubscribe it
-while MPI busy-polls.  At the first Join, library joinable (DataParallel, JoinableComm,
-ZeroRedundancyOptimizer) or optimizer in a process, :func:`limit_threads` limits them through
-threadpoolctl (environment variables are read too late, when the libraries load) to::
+while MPI busy-polls.  At the first Join or library joinable (DataParallel, JoinableComm,
+ZeroRedundancyOptimizer) on a communicator with all of COMM_WORLD's ranks (in a one-rank job, at
+the first of any, optimizers included), :func:`limit_threads` limits them through threadpoolctl
+(environment variables are read too late, when the libraries load) to::
 
     max(1, usable cores // ranks of COMM_WORLD on this node)
 
 unless the user chose: ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` or ``MKL_NUM_THREADS`` set
 keeps the libraries' own choice, ``TENSORPLAY_MPI_THREADS=keep`` too, and
-``TENSORPLAY_MPI_THREADS=N`` sets ``N`` threads.  Rank 0 says so once, on stderr, when it lowers
+``TENSORPLAY_MPI_THREADS=N`` sets ``N`` threads; an optimizer, whose construction is not
+collective, applies only these choices.  Rank 0 says so once, on stderr, when it lowers
 the limit.  ``python -m tensorplay_mpi.info`` shows the decision.
 """
 
@@ -123,4 +125,4 @@ def limit_threads(comm: MPI.Intracomm | None = None) -> None:
 
 def decision() -> str:
     """What :func:`limit_threads` did in this process, or that it has not run yet."""
-    return _decision or "not decided yet (no Join, joinable or optimizer made)"
+    return _decision or "not decided yet (no Join or joinable made on all of COMM_WORLD)"

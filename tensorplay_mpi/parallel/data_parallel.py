@@ -41,7 +41,8 @@ from .buckets import GradientViews, make_buckets
 
 __all__ = ["DataParallel"]
 
-# Codes of the construction check: what a rank refused locally, agreed before any broadcast.
+
+# The constructor's local checks: what one rank refuses, every rank learns before any broadcast.
 def _check_arrays(arrays: Any, name: str, floating: bool) -> list[Any]:
     if isinstance(arrays, np.ndarray) or is_device_array(arrays):
         raise TypeError(f"{name}: pass a sequence of arrays (got one "
@@ -192,9 +193,6 @@ class DataParallel(CommJoinable):
         self._step: _Step | None = None  # the step in progress
         self._counts = np.zeros(4, dtype=np.int64)  # the step control's buffers
         self._highest = np.zeros(1, dtype=np.int64)
-
-    # -- construction --------------------------------------------------------------------
-
 
     def _broadcast(self, arrays: list[np.ndarray], root: int, what: str) -> None:
         self._wait_all([ibcast(self.comm, a, root, f"{what} {i + 1} of {len(arrays)}")
