@@ -49,7 +49,12 @@ def is_writeable(array: Any) -> bool:
 
 
 def comm_of_grads(grads: Any) -> MPI.Intracomm:
-    """The communicator of the DataParallel owning `grads` (``dp.grads``), else the default."""
+    """The communicator of the DataParallel owning `grads` (``dp.grads``), else the default.
+
+    The link is found, not passed: :meth:`GradientViews.of` looks the first gradient's data
+    address up in a process-wide table of weak references (``parallel/buckets.py``), so
+    ``list(dp.grads)`` is recognised too, and copies of the gradients are not.
+    """
     views = GradientViews.of(grads)
     owner = None if views is None else views.owner
     return default_comm() if owner is None else owner.comm

@@ -58,7 +58,8 @@ def make_buckets(params: list[np.ndarray], cap_bytes: float) -> tuple[list[Bucke
         plans[current][1].append(index)
         filling[param.dtype] = (current, used + param.nbytes)
 
-    buckets, bucket_of, views = [], [0] * len(params), [None] * len(params)
+    buckets, bucket_of = [], [0] * len(params)
+    views: dict[int, np.ndarray] = {}  # parameter index -> its gradient view
     for k, (_, members) in enumerate(plans):
         bucket = Bucket(params[members[0]], members, [params[i].size for i in members])
         offset = 0
@@ -68,11 +69,14 @@ def make_buckets(params: list[np.ndarray], cap_bytes: float) -> tuple[list[Bucke
             bucket_of[i] = k
             offset += size
         buckets.append(bucket)
-    return buckets, bucket_of, views
+    return buckets, bucket_of, [views[i] for i in range(len(params))]
 
 
 _VIEWS_OF_MEMORY: "weakref.WeakValueDictionary[tuple, GradientViews]" = \
-    weakref.WeakValueDictionary()  # (data address, shape) of the first view -> its views
+    weakref.WeakValueDictionary()
+"""(data address, shape) of the first view -> its GradientViews, while they live: how an
+optimizer given ``dp.grads`` or ``list(dp.grads)`` finds its DataParallel
+(:meth:`GradientViews.of`).  Owned by :class:`GradientViews`, which registers itself."""
 
 
 def _memory(array: Any) -> tuple:

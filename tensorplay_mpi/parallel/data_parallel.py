@@ -75,7 +75,7 @@ def _one_device(arrays: list[Any]) -> str:
 def _check_rank(value: Any, name: str, size: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int rank, got {value!r}")
-    if not 0 <= value < size:
+    if not 0 <= int(value) < size:
         raise ValueError(f"{name} must be a rank in [0, {size}), got {value!r}")
     return int(value)
 
@@ -241,13 +241,13 @@ class DataParallel(CommJoinable):
             raise RuntimeError("DataParallel must be the first joinable of its Join: "
                                "Join([dp, ...])")
         self._steps += 1
-        self._step = _Step(self._steps, heartbeat, self._sync, len(self.params),
-                           [len(b.members) for b in self._buckets])
-        with self._settling_failures():
+        self._step = step = _Step(self._steps, heartbeat, self._sync, len(self.params),
+                                  [len(b.members) for b in self._buckets])
+        with self._settling_failures(step):
             if self.buffers:
-                self._resolve()  # the forward pass reads the broadcast buffers
+                self._resolve(step)  # the forward pass reads the broadcast buffers
             yield self
-            self._finish_buckets()
+            self._finish_buckets(step)
 
     def mark_ready(self, index: int) -> None:
         """Gradient `index` is final for this step: its bucket may start reducing now.
@@ -279,18 +279,17 @@ class DataParallel(CommJoinable):
         while len(works) < len(self._buckets) and step.unready[len(works)] == 0:
             if works and not works[-1].is_completed():
                 return
-            self._resolve()  # the first bucket needs the heartbeat's count (and agreed syncs)
+            self._resolve(step)  # the first bucket needs the heartbeat's count (and agreed syncs)
             self._start_bucket(step, len(works))
 
     # -- one step, on the active and the joined side ------------------------------------------
 
-    def _resolve(self) -> None:
-        """Learn who is active in this step where it is first needed (module docstring, 1-3).
+    def _resolve(self, step: _Step) -> None:
+        """Learn who is active in `step` where it is first needed (module docstring, 1-3).
 
         Waits for the heartbeat; when a rank has joined, exchanges the step control; then
         broadcasts the buffers from the highest active rank.  Once per step.
         """
-        step = self._step
         if step.resolved:
             return
         step.resolved = True
@@ -337,10 +336,9 @@ class DataParallel(CommJoinable):
             self.comm, sendbuf, bucket.flat, MPI.SUM,
             f"bucket {k + 1} of {len(self._buckets)} (step {step.number})"))
 
-    def _finish_buckets(self, shadow: bool = False) -> None:
+    def _finish_buckets(self, step: _Step, shadow: bool = False) -> None:
         """Start the buckets not started yet (a joined rank: all, sending zeros), then average."""
-        self._resolve()
-        step = self._step
+        self._resolve(step)
         if not step.syncs:
             return
         works, last = step.works, len(self._buckets) - 1
@@ -353,25 +351,24 @@ class DataParallel(CommJoinable):
             bucket.flat /= step.divisor
 
     @contextlib.contextmanager
-    def _settling_failures(self) -> Iterator[None]:
+    def _settling_failures(self, step: _Step) -> Iterator[None]:
         """Around one step (active or shadowed): an exception is settled (:meth:`_recover`)
         before it propagates; the step ends either way."""
         try:
             yield
         except BaseException as error:
-            self._recover(error)
+            self._recover(step, error)
             raise
         finally:
             self._step = None
 
-    def _recover(self, error: BaseException) -> None:
+    def _recover(self, step: _Step, error: BaseException) -> None:
         """A step's failure path: agree with every rank, complete what the furthest one started.
 
         When every rank failed on its own the communicator is intact, but the ranks may have
         started different numbers of buckets (``mark_ready`` overlap): each starts the ones it
         lacks (their content no longer matters) and waits for all of them.
         """
-        step = self._step
         verdict = self._guard.settle(error, progress=len(step.works))
         if verdict.intact:
             while len(step.works) < verdict.progress:
@@ -383,10 +380,10 @@ class DataParallel(CommJoinable):
         self._steps += 1
         self._step = step = _Step(self._steps, None, False, len(self.params), [])
         step.resolved = True
-        with self._settling_failures():
+        with self._settling_failures(step):
             self._exchange_control(step, divide_by_world)
             self._broadcast(self.buffers, step.root, "buffer broadcast")
-            self._finish_buckets(shadow=True)
+            self._finish_buckets(step, shadow=True)
 
     def _final_broadcast(self, is_last_joiner: bool) -> None:
         """Broadcast from the highest last joiner: buffers always, params unless all are last.
