@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from .algorithms.comm_joinable import CommJoinable
+from .algorithms.comm_joinable import REFUSALS, CommJoinable, refusal_code
 from .algorithms.join import Join, JoinHook
 from .buffers import device_of, zeros_like
 from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_name
@@ -45,7 +45,6 @@ __all__ = ["JoinableComm"]
 
 _END, _ALLREDUCE, _ALLGATHER, _BCAST, _REFUSED = 1, 2, 3, 4, 5
 _CARRIED_ALLREDUCE, _CARRIED_BCAST = 6, 7  # the data travelled in the announcement
-_REFUSALS = (TypeError, ValueError)  # what a refused call raised (the op field of REFUSED)
 _DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
     np.float16, np.float32, np.float64, np.complex64, np.complex128))
@@ -69,7 +68,7 @@ def identity(op: MPI.Op, dtype: Any) -> Any:
         For an op without an identity here (user-defined ops, MAXLOC, ...).
     """
     dtype = np.dtype(dtype)
-    name = OPS[_op_code(op) - 1]
+    name = _checked_op_name(op)
     if name in ("SUM", "LOR", "LXOR", "BOR", "BXOR"):
         return dtype.type(0)
     if name in ("PROD", "LAND"):
@@ -85,25 +84,30 @@ def identity(op: MPI.Op, dtype: Any) -> Any:
     return dtype.type(info.min if lowest else info.max)
 
 
-def _op_code(op: Any) -> int:
-    code = _OP_CODES.get(id(op))
-    if code is not None:
-        return code
+def _checked_op_name(op: Any) -> str:
+    """The name of `op` in :data:`OPS`: a TypeError for a non-op, a ValueError for others."""
     if not isinstance(op, MPI.Op):
         raise TypeError(f"op must be an mpi4py.MPI.Op such as MPI.SUM, got {op!r}")
     name = op_name(op)
     if name is None:
         raise ValueError(f"JoinableComm supports the ops {', '.join(OPS)}; got {op!r}")
-    return OPS.index(name) + 1
+    return name
 
 
-_OP_KINDS = ("iufc", "iufc", "iuf", "iuf", "iub", "iub", "iub", "iu", "iu", "iu")
-"""The NumPy dtype kinds MPI defines each op of :data:`OPS` on (its order)."""
+def _op_code(op: Any) -> int:
+    """The wire code of `op`: its position in :data:`OPS`, from 1."""
+    code = _OP_CODES.get(id(op))
+    return OPS.index(_checked_op_name(op)) + 1 if code is None else code
+
+
+_OP_KINDS = {"SUM": "iufc", "PROD": "iufc", "MAX": "iuf", "MIN": "iuf", "LAND": "iub",
+             "LOR": "iub", "LXOR": "iub", "BAND": "iu", "BOR": "iu", "BXOR": "iu"}
+"""The NumPy dtype kinds MPI defines each op on."""
 
 
 def _refuse_op(op_code: int, dtype: np.dtype) -> NoReturn:
     kinds = {"i": "signed", "u": "unsigned", "f": "floating", "c": "complex", "b": "bool"}
-    allowed = ", ".join(kinds[k] for k in _OP_KINDS[op_code - 1])
+    allowed = ", ".join(kinds[k] for k in _OP_KINDS[OPS[op_code - 1]])
     raise TypeError(f"MPI.{OPS[op_code - 1]} does not apply to dtype {dtype}: MPI defines it on "
                     f"{allowed} arrays")
 
@@ -262,7 +266,7 @@ class JoinableComm(CommJoinable):
     def _refuse(self, error: Exception) -> NoReturn:
         """Raise `error`, a bad argument; when ranks have joined, announce it to them first."""
         if self._announces():
-            self._announce(_REFUSED, 1 if isinstance(error, TypeError) else 2)
+            self._announce(_REFUSED, refusal_code(error))  # the code in the op field
         raise error
 
     def _announce(self, kind: int, op: int = 0, code: int = 0, root: int = -1, count: int = 0,
@@ -297,7 +301,7 @@ class JoinableComm(CommJoinable):
         data = kind in (_ALLREDUCE, _ALLGATHER, _BCAST, _CARRIED_ALLREDUCE, _CARRIED_BCAST)
         reduces = kind in (_ALLREDUCE, _CARRIED_ALLREDUCE)
         if not ((data or kind in (_END, _REFUSED)) and (not data or 1 <= code <= len(_DTYPES))
-                and 0 <= op <= (len(OPS) if reduces else len(_REFUSALS))
+                and 0 <= op <= (len(OPS) if reduces else len(REFUSALS))
                 and (not (reduces or kind == _REFUSED) or op > 0) and -1 <= root < self.size
                 and count >= 0):
             raise RuntimeError(f"rank {self.rank}: the {what} is invalid: {values}")
@@ -317,7 +321,7 @@ class JoinableComm(CommJoinable):
             x = x if type(x) is np.ndarray else self._array(x)
             code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
             op_code = _OP_CODES.get(id(op)) or _op_code(op)
-            if x.dtype.kind not in _OP_KINDS[op_code - 1]:
+            if x.dtype.kind not in _OP_KINDS[OPS[op_code - 1]]:
                 _refuse_op(op_code, x.dtype)
             out = _output(x, out)
         except (TypeError, ValueError) as error:
@@ -502,9 +506,9 @@ class _FollowAnnouncements(JoinHook):
                 _check_root(root, root == -1 or root_active == 1)
                 continue
             if kind == _REFUSED:
-                raise _REFUSALS[op - 1](
+                raise REFUSALS[op - 1](
                     f"rank {jc.rank}: the active ranks' JoinableComm call in {jc._where} had a "
-                    f"bad argument (they raised {_REFUSALS[op - 1].__name__})")
+                    f"bad argument (they raised {REFUSALS[op - 1].__name__})")
             dtype = _DTYPES[code - 1]
             if kind == _ALLREDUCE:
                 contribution, received = self._shadow_buffers(op, count, dtype)

@@ -13,10 +13,16 @@ from ..guard import Guard
 from ..threads import limit_threads
 from .join import Joinable
 
-__all__ = ["CommJoinable"]
+__all__ = ["CommJoinable", "REFUSALS", "refusal_code"]
 
-_REFUSALS: tuple[type[Exception], ...] = (Exception, TypeError, ValueError)
-"""What a rank's own argument checks raised, by code (0: nothing)."""
+REFUSALS: tuple[type[Exception], ...] = (TypeError, ValueError)
+"""What a rank's own argument check raised, as the other ranks learn it: code ``c`` (from
+:func:`refusal_code`) is ``REFUSALS[c - 1]``; 0 means nothing was refused."""
+
+
+def refusal_code(error: Exception) -> int:
+    """The code of `error` (a TypeError or ValueError) in :data:`REFUSALS`."""
+    return 1 if isinstance(error, TypeError) else 2
 
 
 def _groups(values: list[int]) -> list[list[int]]:
@@ -80,14 +86,14 @@ class CommJoinable(Joinable):
             row[1] = np.frombuffer(digest, dtype=np.int64)[0]
             row[2:] = [np.float64(v).view(np.int64) for v in values.values()]
         else:
-            row[0] = 1 if isinstance(refused, TypeError) else 2
+            row[0] = refusal_code(refused)
         every = np.empty((self.size, row.size), dtype=np.int64)
         self._wait(iallgather(self.comm, row, every, f"{type(self).__name__} argument check"))
         if refused is not None:
             raise type(refused)(f"rank {self.rank}: {refused}") from None
         refusing = np.flatnonzero(every[:, 0]).tolist()
         if refusing:
-            raise _REFUSALS[int(every[refusing[0], 0])](
+            raise REFUSALS[int(every[refusing[0], 0]) - 1](
                 f"rank {self.rank}: rank(s) {refusing} refused their {type(self).__name__} "
                 "arguments (see their error); this rank's were valid")
         if (every[:, 1] != every[0, 1]).any():
