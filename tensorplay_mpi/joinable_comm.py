@@ -224,10 +224,14 @@ class JoinableComm(CommJoinable):
         """
         Join.notify_join_context(self)  # the Join owns the heartbeat it returns
         join = self.join_context
-        self._iteration += 1
-        self._where = f"iteration {self._iteration}"
+        self._next_iteration("")
         self._owner = join if join is not None and join.enabled else None
         self._announcing = None
+
+    def _next_iteration(self, side: str) -> None:
+        """Count an iteration, active or (`side` ``", joined"``) shadowed: errors name it."""
+        self._iteration += 1
+        self._where = f"iteration {self._iteration}{side}"
 
     def end_iteration(self) -> None:
         """Complete this iteration's dropped Works; announce END when ranks have joined."""
@@ -283,6 +287,11 @@ class JoinableComm(CommJoinable):
         values = self._exchange_announcement()
         self._highest = (self._owner, self._active, values[_RANK])
         return values
+
+    def _follow_announcement(self) -> tuple:
+        """A joined rank's side of the next announcement: it announces nothing."""
+        self._announcement.fill(_NOBODY)
+        return self._exchange_announcement()
 
     def _exchange_announcement(self) -> tuple:
         """The announcement allreduce, then the fields every rank checks the same way."""
@@ -492,12 +501,10 @@ class _FollowAnnouncements(JoinHook):
     def main_hook(self) -> None:
         """Shadow one active iteration: follow the announcements until END."""
         jc = self.jc
-        jc._iteration += 1
-        jc._where = f"iteration {jc._iteration}, joined"
+        jc._next_iteration(", joined")
         while True:
-            jc._announcement.fill(_NOBODY)
             kind, op, code, root, count, rows, _, _, root_active, highest = (
-                jc._exchange_announcement())
+                jc._follow_announcement())
             if kind == _END:
                 return
             if kind == _CARRIED_ALLREDUCE:

@@ -21,8 +21,8 @@ def snapshot(params, opt):
 def recording(cls):
     """`cls` whose every step, active or in the join hook, appends a snapshot to `history`."""
     class Recording(cls):
-        def _step(self):
-            super()._step()
+        def update(self):
+            super().update()
             self.history.append(snapshot(self.params, self))
     return Recording
 

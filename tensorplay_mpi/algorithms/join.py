@@ -107,6 +107,11 @@ class Joinable(ABC):
         """
         return _bound_join(self)
 
+    def _bind_join(self, join: "Join | None") -> None:
+        """Bind this joinable to `join` from its ``__enter__`` to its ``__exit__`` (``None``):
+        the only writer of :attr:`join_context`."""
+        self._bound_join = join
+
     def end_iteration(self) -> None:
         """Close the current iteration; the Join calls it before each heartbeat and once
         before this rank starts shadowing, for every joinable in list order.
@@ -297,7 +302,7 @@ class Join:
         self._guard = Guard.attach(self._comm)
         limit_threads(self._comm)
         for joinable in self._joinables:
-            joinable._bound_join = self
+            joinable._bind_join(self)
         return self
 
     # -- the public view joinables read -----------------------------------------------------
@@ -367,7 +372,7 @@ class Join:
                     raise
         finally:
             for joinable in self._joinables:
-                joinable._bound_join = None
+                joinable._bind_join(None)
             if self._guard is not None:
                 self._guard.forget_settled()  # the exception, its frames and their objects
 

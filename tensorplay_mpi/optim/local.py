@@ -119,9 +119,12 @@ class Optimizer(Joinable):
     def step(self) -> None:
         """Update every parameter in place from its gradient (local: no communication)."""
         Join.notify_join_context(self)
-        self._step()
+        self.update()
 
-    def _step(self) -> None:
+    def update(self) -> None:
+        """One update from the bound gradients, without telling a Join: what :meth:`step` does
+        after its heartbeat, and what a joined rank's hook and a ZeroRedundancyOptimizer (for
+        its shard) call."""
         hyper = self._hyper(self.steps + 1)
         self.steps += 1
         if hyper.get("max_grad_norm") is not None:
@@ -188,6 +191,11 @@ class Optimizer(Joinable):
         self.param_groups = [dict(g) for g in state_dict.get("param_groups", [self.defaults])]
         self.steps = int(state_dict["steps"])
 
+    def set_hyperparameter(self, name: str, value: Any) -> None:
+        """Set `name` to `value` in :attr:`defaults` and in every group of :attr:`param_groups`."""
+        for group in [self.defaults, *self.param_groups]:
+            group[name] = value
+
     # -- Joinable ------------------------------------------------------------------------------
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -228,7 +236,7 @@ class _OptimizerHook(JoinHook):
 
     def main_hook(self) -> None:
         """Step once with the averaged gradients the earlier joinable's hook wrote."""
-        self.optimizer._step()
+        self.optimizer.update()
 
 
 class SGD(Optimizer):

@@ -120,7 +120,7 @@ class ZeroRedundancyOptimizer(CommJoinable):
     def _step_shard_and_sync(self) -> None:
         if self.max_grad_norm is not None:
             clip_grad_norm(self.grads, self.max_grad_norm)
-        self.local._step()
+        self.local.update()
         self._wait_all([ibcast(self.comm, p, self.owners[i], f"parameter sync {i}")
                         for i, p in enumerate(self.params)])
 
@@ -187,8 +187,7 @@ class ZeroRedundancyOptimizer(CommJoinable):
                              f"{len(self.params)}")
         shard = dict(state_dict, state={k: state[i] for k, i in enumerate(self.shard)})
         self.local.load_state_dict(shard)
-        for group in [self.local.defaults, *self.local.param_groups]:
-            group["max_grad_norm"] = None  # ZeRO clips all gradients, never a shard
+        self.local.set_hyperparameter("max_grad_norm", None)  # ZeRO clips all, never a shard
 
     # -- Joinable ------------------------------------------------------------------------------
 
