@@ -29,7 +29,8 @@ from mpi4py import MPI
 
 from .settings import settings
 
-__all__ = ["check_device", "device_of", "is_device_array", "zeros_like", "cuda_aware", "Staging"]
+__all__ = ["check_device", "device_of", "is_device_array", "zeros_like", "cuda_aware",
+           "loaded_libmpi", "Staging"]
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
@@ -109,7 +110,8 @@ def cuda_aware() -> tuple[bool, str]:
     only when the MPI library itself reports CUDA support (MPI 4.1 ``mpi_memory_alloc_kinds``
     containing ``cuda``, or MPICH's ``MPIX_GPU_query_support`` / Open MPI's
     ``MPIX_Query_cuda_support`` returning 1).  Never from environment guesses: a wrong yes
-    segfaults.  (``cuda_aware.cache_clear()`` makes the next call decide again.)
+    segfaults.  Cached: :func:`tensorplay_mpi.testing.reset_settings` makes the next call
+    decide again.
 
     Raises
     ------
@@ -146,7 +148,7 @@ def _memory_alloc_kinds() -> str:
 def _query_libmpi() -> dict[str, int]:
     """Answers of the MPIX CUDA-support queries that the loaded libmpi has."""
     answers: dict[str, int] = {}
-    for path in _loaded_libmpi():
+    for path in loaded_libmpi():
         try:
             lib = ctypes.CDLL(path)
         except OSError:
@@ -160,7 +162,8 @@ def _query_libmpi() -> dict[str, int]:
     return answers
 
 
-def _loaded_libmpi() -> list[str]:
+def loaded_libmpi() -> list[str]:
+    """The paths of the MPI libraries loaded in this process (from ``/proc/self/maps``)."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libmpi" in line and "/" in line}

@@ -36,11 +36,11 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import CollectiveMismatchError, PeerFailureError
-from .launch import check_launch, forget_exit_status, install_excepthook, launch_problem
+from .launch import check_launch, forget_exit_status, install_excepthook
 from .settings import settings
 from .work import Work
 
-__all__ = ["Guard", "Verdict", "check_launch", "launch_problem", "NOTICE_GRACE_S"]
+__all__ = ["Guard", "Verdict", "NOTICE_GRACE_S"]
 
 NOTICE_GRACE_S = 0.25
 """Seconds a wait goes on after a failure notice before it raises PeerFailureError."""

@@ -18,8 +18,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__
-from .buffers import _loaded_libmpi, cuda_aware
-from .guard import check_launch
+from .buffers import cuda_aware, loaded_libmpi
+from .launch import check_launch
 from .threads import decision, limit_threads
 
 __all__ = ["report", "rank_facts"]
@@ -70,7 +70,7 @@ def rank_facts() -> dict[str, Any]:
         "host": MPI.Get_processor_name(),
         "pid": os.getpid(),
         "GPU": _gpu(),
-        "libmpi": ", ".join(_loaded_libmpi()) or "?",
+        "libmpi": ", ".join(loaded_libmpi()) or "?",
         "MPI version": " ".join(MPI.Get_library_version().splitlines()[0].split()),
         "thread level": _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread())),
         "mpi4py": mpi4py.__version__,

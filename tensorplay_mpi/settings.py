@@ -105,7 +105,8 @@ def threads_setting(text: str | None) -> int | str:
 def settings() -> Settings:
     """The settings of this process, read from the environment on the first call.
 
-    Tests that change the environment call ``settings.cache_clear()`` afterwards.
+    Cached: tests that change the environment call
+    :func:`tensorplay_mpi.testing.reset_settings` afterwards.
 
     Raises
     ------

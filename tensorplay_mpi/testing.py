@@ -30,11 +30,12 @@ from typing import Any, Callable, Iterator, Sequence
 from mpi4py import MPI
 
 from .launch import forget_exit_status
+from .buffers import cuda_aware
 from .settings import settings
 from .work import outstanding_requests
 
 __all__ = ["assert_all", "raises_everywhere", "PATTERNS", "inputs_of", "active_counts",
-           "mpiexec_path", "run_mpi", "run_at_sizes", "debug_mode"]
+           "mpiexec_path", "run_mpi", "run_at_sizes", "debug_mode", "reset_settings"]
 
 _verdicts: MPI.Intracomm | None = None  # COMM_WORLD's private duplicate for verdicts
 _debug_by_plugin = False  # the pytest plugin turned debug mode on
@@ -170,7 +171,16 @@ def debug_mode(enabled: bool = True) -> None:
     """Turn the collective signature checks of ``TENSORPLAY_MPI_DEBUG=1`` on or off in this
     process (it sets the variable and makes the library read its settings again)."""
     os.environ["TENSORPLAY_MPI_DEBUG"] = "1" if enabled else "0"
+    reset_settings()
+
+
+def reset_settings() -> None:
+    """Make the library read its ``TENSORPLAY_MPI_*`` variables again, for a test that changed
+    them: the cached :func:`~tensorplay_mpi.settings.settings` and the decision made from them
+    (:func:`~tensorplay_mpi.buffers.cuda_aware`).  The BLAS thread limit, applied once per
+    process (:mod:`tensorplay_mpi.threads`), stays."""
     settings.cache_clear()
+    cuda_aware.cache_clear()
 
 
 # -- the pytest plugin ---------------------------------------------------------------------------

@@ -15,7 +15,8 @@ duplicate of ``COMM_WORLD`` per test that must end with no pending request, and 
 (collective signature checks) on unless TENSORPLAY_MPI_DEBUG is set."""
 
 import pytest
-from fake_device import reset_settings
+
+from tensorplay_mpi.testing import reset_settings
 
 
 @pytest.fixture(autouse=True)

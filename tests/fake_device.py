@@ -9,7 +9,7 @@ counts what the library does to it: stream synchronisations (through the patched
 import numpy as np
 
 from tensorplay_mpi import buffers
-from tensorplay_mpi.settings import settings
+from tensorplay_mpi.testing import reset_settings
 
 STREAM = 0x5EED  # the fake stream every fake array says it was produced on
 
@@ -61,8 +61,3 @@ def use_mode(monkeypatch, aware):
     monkeypatch.setattr(buffers, "_synchronize_stream", count_sync)
     Counters.reset()
 
-
-def reset_settings():
-    """Make the library read its environment variables again (after a test changed them)."""
-    settings.cache_clear()
-    buffers.cuda_aware.cache_clear()

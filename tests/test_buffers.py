@@ -5,11 +5,12 @@ import sys
 
 import numpy as np
 import pytest
-from fake_device import Counters, FakeDeviceArray, on_device, reset_settings, use_mode
+from fake_device import Counters, FakeDeviceArray, on_device, use_mode
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, buffers
 from tensorplay_mpi.comm import iallreduce, ibcast
+from tensorplay_mpi.testing import reset_settings
 
 
 RECORD_IMPORTS = """

@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
-from fake_device import reset_settings
 from helpers import UNEVEN, assert_all, inputs_of
 from linear import make_problem, train
 from mpi4py import MPI
 
 from tensorplay_mpi import Adam, Join, ZeroRedundancyOptimizer, buffers
+from tensorplay_mpi.testing import reset_settings
 
 cupy = pytest.importorskip("cupy")
 try:

@@ -4,12 +4,12 @@ import time
 
 import numpy as np
 import pytest
-from fake_device import reset_settings
 from helpers import assert_all
 from linear import make_problem, replay, train
 
 from tensorplay_mpi import DataParallel, Join
 from tensorplay_mpi.comm import outstanding_requests
+from tensorplay_mpi.testing import reset_settings
 
 
 def error_of(fn):

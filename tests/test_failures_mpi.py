@@ -5,7 +5,6 @@ import time
 
 import numpy as np
 import pytest
-from fake_device import reset_settings
 from helpers import active_counts, assert_all, raises_everywhere, rss_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,6 +14,7 @@ from toys import AllReducer, run
 from tensorplay_mpi import (CollectiveMismatchError, DataParallel, Join, JoinableComm,
                             PeerFailureError)
 from tensorplay_mpi.comm import iallreduce, outstanding_requests
+from tensorplay_mpi.testing import reset_settings
 from tensorplay_mpi.work import progress_pending
 
 

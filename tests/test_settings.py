@@ -1,9 +1,9 @@
 """The TENSORPLAY_MPI_* settings: parsed once, a bad value a ValueError naming the variable."""
 
 import pytest
-from fake_device import reset_settings
 
 from tensorplay_mpi.settings import settings
+from tensorplay_mpi.testing import reset_settings
 
 
 @pytest.mark.parametrize("name", ["TENSORPLAY_MPI_TIMEOUT", "TENSORPLAY_MPI_GRACE"])

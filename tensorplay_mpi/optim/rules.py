@@ -152,7 +152,7 @@ def adam(p: Any, g: Any, m: Any, v: Any, scratch: Scratch, lr: float, beta1: flo
         pb -= s1
 
 
-_KERNELS: dict[str, Any] = {}
+_KERNELS: dict[str, Any] = {}  # name -> compiled CuPy kernel: filled by _kernel on first use
 
 _SOURCES = {
     # name: (inputs, outputs (read and written), body)
