@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from .algorithms.comm_joinable import REFUSALS, CommJoinable, refusal_code
+from .algorithms.guarded_joinable import REFUSALS, GuardedJoinable, refusal_code
 from .algorithms.join import Join, JoinHook
 from .buffers import device_of, zeros_like
 from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_name
@@ -173,7 +173,7 @@ def _completed(value: Any, what: str) -> Work:
     return work
 
 
-class JoinableComm(CommJoinable):
+class JoinableComm(GuardedJoinable):
     """A Joinable wrapping a communicator: its collectives are shadowed automatically.
 
     Results on active ranks are exactly what they would be if the joined ranks did not exist.
@@ -187,7 +187,7 @@ class JoinableComm(CommJoinable):
     Parameters
     ----------
     comm, timeout
-        As for :class:`~tensorplay_mpi.algorithms.comm_joinable.CommJoinable`.
+        As for :class:`~tensorplay_mpi.algorithms.guarded_joinable.GuardedJoinable`.
 
     Examples
     --------

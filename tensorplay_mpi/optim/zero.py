@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from mpi4py import MPI
 
-from ..algorithms.comm_joinable import CommJoinable
+from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join, JoinHook
 from ..buffers import device_of, zeros_like
 from ..comm import Work, ibcast, irecv, isend
@@ -39,7 +39,7 @@ def partition(nbytes: Sequence[int], size: int) -> list[int]:
     return owners
 
 
-class ZeroRedundancyOptimizer(CommJoinable):
+class ZeroRedundancyOptimizer(GuardedJoinable):
     """Optimizer whose state is sharded over the ranks of `comm`.
 
     Collective over `comm`: every rank constructs it with the same parameter shapes, dtypes
@@ -54,7 +54,7 @@ class ZeroRedundancyOptimizer(CommJoinable):
     optimizer_class : type, default Adam
         A local optimizer class from :mod:`tensorplay_mpi.optim`; it runs on this rank's shard.
     comm, timeout
-        As for :class:`~tensorplay_mpi.algorithms.comm_joinable.CommJoinable`; `comm` defaults
+        As for :class:`~tensorplay_mpi.algorithms.guarded_joinable.GuardedJoinable`; `comm` defaults
         to the communicator of the DataParallel whose ``dp.grads`` are the `grads`.
     **defaults
         Hyperparameters of `optimizer_class` (``lr``, ``betas``, ...).  ``max_grad_norm``

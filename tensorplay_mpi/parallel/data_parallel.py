@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..algorithms.comm_joinable import CommJoinable
+from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join, JoinHook
 from ..buffers import device_of, is_device_array
 from ..comm import Work, iallreduce, ibcast
@@ -104,7 +104,7 @@ class _Step:
         self.works: list[Work] = []
 
 
-class DataParallel(CommJoinable):
+class DataParallel(GuardedJoinable):
     """Average gradients over ranks, in buckets, with uneven numbers of batches per rank.
 
     Collective over `comm`: every rank constructs it, with the same parameter shapes and
@@ -120,7 +120,7 @@ class DataParallel(CommJoinable):
         Buckets, zeroing and averaging stay on that device.
     comm : mpi4py.MPI.Intracomm, optional
         Defaults to ``MPI.COMM_WORLD``; see
-        :class:`~tensorplay_mpi.algorithms.comm_joinable.CommJoinable`.
+        :class:`~tensorplay_mpi.algorithms.guarded_joinable.GuardedJoinable`.
     bucket_cap_mb : float, default 25.0
         Largest bucket in MiB (a larger parameter gets a bucket of its own).
     broadcast_from : int, default 0

@@ -1,4 +1,4 @@
-"""CommJoinable: what the library's joinables share — one communicator, a deadline, a guard."""
+"""GuardedJoinable: what the library's joinables share — one communicator, a deadline, a guard."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..guard import Guard
 from ..threads import limit_threads
 from .join import Joinable
 
-__all__ = ["CommJoinable", "REFUSALS", "refusal_code"]
+__all__ = ["GuardedJoinable", "REFUSALS", "refusal_code"]
 
 REFUSALS: tuple[type[Exception], ...] = (TypeError, ValueError)
 """What a rank's own argument check raised, as the other ranks learn it: code ``c`` (from
@@ -33,7 +33,7 @@ def _groups(values: list[int]) -> list[list[int]]:
     return sorted(groups.values())
 
 
-class CommJoinable(Joinable):
+class GuardedJoinable(Joinable):
     """A Joinable bound to one communicator, whose waits share one deadline.
 
     Collective over `comm` the first time a communicator is used (it attaches the guard that
