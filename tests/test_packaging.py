@@ -1,9 +1,12 @@
 """What a user or a site checks first: the wheel's contents and metadata, licence, changelog."""
 
+import inspect
+import pkgutil
 import re
 import subprocess
 import sys
 import zipfile
+from importlib import import_module
 from pathlib import Path
 
 import tensorplay_mpi
@@ -58,3 +61,18 @@ def test_make_help_lists_every_target_once():
     assert result.returncode == 0, result.stderr
     listed = re.findall(r"^  make (\S+) +\S", result.stdout, re.M)
     assert sorted(listed) == sorted(phony)
+
+
+def test_no_two_class_names_are_the_same_words_in_another_order():
+    """`CommJoinable` beside `JoinableComm` read as one name: class names must differ in words."""
+    classes = set()
+    for module in pkgutil.walk_packages(tensorplay_mpi.__path__, "tensorplay_mpi."):
+        if ".examples" in module.name:
+            continue
+        found = inspect.getmembers(import_module(module.name), inspect.isclass)
+        classes |= {cls.__name__ for _, cls in found if cls.__module__.startswith("tensorplay_")}
+    words = {}
+    for name in sorted(classes):
+        key = tuple(sorted(re.findall(r"[A-Z][a-z0-9]*", name.lstrip("_"))))
+        assert key not in words, f"{name} and {words[key]} are the same words"
+        words[key] = name
