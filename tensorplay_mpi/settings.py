@@ -4,7 +4,7 @@
 variable                        meaning                                  default
 ==============================  =======================================  =========
 ``TENSORPLAY_MPI_TIMEOUT``      seconds a library wait may take          ``1800``
-``TENSORPLAY_MPI_STALL``        seconds before a wait is reported; 0 off ``60``
+``TENSORPLAY_MPI_STALL``        seconds until a wait is reported, 0 off  ``60``
 ``TENSORPLAY_MPI_GRACE``        seconds the failure agreement may take   ``10``
 ``TENSORPLAY_MPI_DEBUG``        collective signature checks              ``0``
 ``TENSORPLAY_MPI_CUDA_AWARE``   device pointers to MPI: auto, 0 or 1     ``auto``
