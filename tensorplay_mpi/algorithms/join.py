@@ -261,6 +261,7 @@ class Join:
         self._guard: Guard | None = None
         self._iterations = 0  # heartbeats sent
         self._stops = 0  # the most ranks any completed heartbeat or poll said asked to stop
+        self._asked: str | None = None  # this rank's request, once a heartbeat or poll sent it
         self._entered = False
         self._joining = False
 
@@ -348,8 +349,9 @@ class Join:
         ...) or how many other ranks asked; else ``None``."""
         if not self.stopped:
             return None
-        own = stop_requested()
-        return own if own is not None else f"a stop requested by {self._stops} other rank(s)"
+        if self._asked is not None:
+            return self._asked
+        return f"a stop requested by {self._stops} other rank(s)"
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
@@ -370,6 +372,7 @@ class Join:
                 joinable._bound_join = None
             if self._guard is not None:
                 self._guard.forget_settled()  # the exception, its frames and their objects
+                self._guard.drain()  # stall questions that came while this rank computed
 
     def _settle(self, error: BaseException) -> None:
         """The failure path: agree with every rank; when every rank failed on its own, complete
@@ -414,7 +417,7 @@ class Join:
         self._heartbeats = [w for w in self._heartbeats if not w.is_completed()]
         self._iterations += 1
         recv = np.empty(1, dtype=np.int64)
-        work = iallreduce(self._comm, _HEARTBEAT[stop_requested() is not None], recv, MPI.SUM,
+        work = iallreduce(self._comm, _HEARTBEAT[self._asks_to_stop()], recv, MPI.SUM,
                           f"heartbeat (iteration {self._iterations})", finish=self._read_count)
         self._heartbeats.append(work)
         if self._throw_on_early_termination and self._sum_over_ranks(
@@ -423,6 +426,11 @@ class Join:
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks."
             )
         return work
+
+    def _asks_to_stop(self) -> bool:
+        """Whether this rank's next heartbeat or poll carries a stop request (noting why)."""
+        self._asked = self._asked or stop_requested()
+        return self._asked is not None
 
     def _read_count(self, buf: np.ndarray) -> int:
         """The number of active ranks in a heartbeat's or poll's sum; notes the stop requests."""
@@ -461,7 +469,7 @@ class Join:
                     "degradation.",
                     stacklevel=3,
                 )
-            stop = _STOP if stop_requested() is not None else 0
+            stop = _STOP if self._asks_to_stop() else 0
             if self._read_count(self._sum_over_ranks(
                     stop, f"poll (round {rounds + 1} after joining)")) == 0:
                 break
