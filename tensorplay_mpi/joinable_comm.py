@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 from .algorithms.comm_joinable import CommJoinable
 from .algorithms.join import Join, JoinHook
-from .buffers import device_of, zeros_like
+from .buffers import device_of, misordered, zeros_like
 from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_name
 
 __all__ = ["JoinableComm"]
@@ -314,12 +314,13 @@ class JoinableComm(CommJoinable):
         a Join the library completes a Work that its caller drops when the iteration ends.
         """
         try:  # the common case inline: dict look-ups, no call
-            x = x if type(x) is np.ndarray else self._array(x)
+            given = x
+            x = x if type(x) is np.ndarray and x.flags.c_contiguous else self._array(x)
             code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
             op_code = _OP_CODES.get(id(op)) or _op_code(op)
             if x.dtype.kind not in _OP_KINDS[op_code - 1]:
                 _refuse_op(op_code, x.dtype)
-            out = _output(x, out)
+            out = _output(x, out, given)
         except (TypeError, ValueError) as error:
             self._refuse(error)
         if self._announces():
@@ -387,9 +388,10 @@ class JoinableComm(CommJoinable):
         typed like `x`) receives the data; by default a new array.
         """
         try:
-            x = x if type(x) is np.ndarray else self._array(x)
+            given = x
+            x = x if type(x) is np.ndarray and x.flags.c_contiguous else self._array(x)
             code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
-            out = _output(x, out)
+            out = _output(x, out, given)
             highest = isinstance(root, str) and root == "highest_active"
             if not highest and (isinstance(root, bool)
                                 or not isinstance(root, (int, np.integer))):
@@ -432,12 +434,12 @@ class JoinableComm(CommJoinable):
         return self._wait(self.ibcast(x, root, out))
 
     def _array(self, x: Any) -> Any:
-        if type(x) is np.ndarray:
-            return x
-        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-            return np.asarray(x)
-        self.device = device_of(x)
-        return x
+        """`x` as an array MPI can send: C-ordered (a copy if it was not), on its device."""
+        if type(x) is not np.ndarray:
+            if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+                return np.asarray(x)
+            self.device = device_of(x)
+        return x if misordered(x) is None else x.copy(order="C")
 
     # -- Joinable ------------------------------------------------------------------------------
 
@@ -445,7 +447,9 @@ class JoinableComm(CommJoinable):
         return _FollowAnnouncements(self)
 
 
-def _output(x: Any, out: Any) -> Any:
+def _output(x: Any, out: Any, given: Any) -> Any:
+    """The array that receives the result: `out`, checked, or a new one like `x` (the
+    C-ordered `given`)."""
     if out is None:
         return np.empty_like(x) if type(x) is np.ndarray else zeros_like(x)
     if out is x:
@@ -453,6 +457,11 @@ def _output(x: Any, out: Any) -> Any:
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be shaped and typed like the input: {x.shape} {x.dtype}, "
                          f"got {out.shape} {out.dtype}")
+    layout = misordered(out)
+    if layout is not None:
+        raise ValueError(f"out must be C-contiguous (MPI writes it in memory order), got a "
+                         f"{layout} array{' (out=x)' if out is given else ''}: pass a "
+                         "C-contiguous out, or none and copy the result")
     if (type(out) is np.ndarray and type(x) is np.ndarray and (out.base is not None
                                                                or x.base is not None)
             and np.may_share_memory(out, x)):  # two arrays without a base cannot overlap
