@@ -117,8 +117,8 @@ def limit_threads(comm: MPI.Intracomm | None = None, notice: bool = True) -> Non
         return
     asked = "TENSORPLAY_MPI_THREADS" in os.environ  # then set, else only lowered
     lowered, kept = _apply(limit, lower_only=not asked)
-    _decision = "; ".join(filter(None, (why, lowered and "lowered " + ", ".join(lowered),
-                                        kept and "kept " + ", ".join(kept))))
+    _decision = "; ".join([why] + [f"{verb} {', '.join(what)}" for verb, what in
+                                   (("lowered", lowered), ("kept", kept)) if what])
     if notice and (kept or lowered and not asked) and MPI.COMM_WORLD.Get_rank() == 0:
         print(f"tensorplay_mpi: BLAS/OpenMP threads limited to {_decision}", file=sys.stderr,
               flush=True)
