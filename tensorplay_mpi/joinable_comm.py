@@ -25,7 +25,9 @@ active ranks (waiting for it there, not in ``begin_iteration()``, so work in bet
   recording of the past: a rank with zero iterations, or a loop whose collectives change,
   works.
 
-Arguments are checked on every rank before any collective, the same way in both modes.
+Arguments are checked on every rank before any collective, the same way in both modes.  Inputs
+in any layout are sent in C order (copied when they are not C-contiguous); an ``out`` that is
+not C-contiguous is refused (``ValueError``).
 """
 
 from __future__ import annotations
@@ -309,8 +311,8 @@ class JoinableComm(CommJoinable):
         """Start an allreduce of `x` over the active ranks; the Work's result is `out`.
 
         Joined ranks contribute the identity of `op` (0 for SUM, 1 for PROD, the lowest value
-        for MAX, ...).  `out` (shaped and typed like `x`) receives the result; by default a new
-        array (passing one saves an allocation per call); ``out=x`` reduces in place.  Inside
+        for MAX, ...).  `out` (shaped and typed like `x`, C-contiguous) receives the result; by
+        default a new array (passing one saves an allocation per call); ``out=x`` reduces in place.  Inside
         a Join the library completes a Work that its caller drops when the iteration ends.
         """
         try:  # the common case inline: dict look-ups, no call
@@ -385,7 +387,7 @@ class JoinableComm(CommJoinable):
 
         `root` is an active rank, or ``"highest_active"``.  An int root that has joined (or is
         no rank) raises ``ValueError`` on every rank, joined ones included.  `out` (shaped and
-        typed like `x`) receives the data; by default a new array.
+        typed like `x`, C-contiguous) receives the data; by default a new array.
         """
         try:
             given = x
