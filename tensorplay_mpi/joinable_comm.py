@@ -312,8 +312,9 @@ class JoinableComm(CommJoinable):
 
         Joined ranks contribute the identity of `op` (0 for SUM, 1 for PROD, the lowest value
         for MAX, ...).  `out` (shaped and typed like `x`, C-contiguous) receives the result; by
-        default a new array (passing one saves an allocation per call); ``out=x`` reduces in place.  Inside
-        a Join the library completes a Work that its caller drops when the iteration ends.
+        default a new array (passing one saves an allocation per call); ``out=x`` reduces in
+        place.  Inside a Join the library completes a Work that its caller drops when the
+        iteration ends.
         """
         try:  # the common case inline: dict look-ups, no call
             given = x
