@@ -200,6 +200,7 @@ def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[in
 
 def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send") -> Work:
     """Start a point-to-point ``MPI_Isend`` of `buf` to `dest`."""
+    _check_buffer(buf, "buf", what)
     staging = Staging()
     return _start(comm, what, "send", comm.Isend, (staging.read(buf), dest, tag), (buf,), None,
                   staging)
@@ -207,6 +208,7 @@ def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send"
 
 def irecv(comm: MPI.Intracomm, buf: Any, source: int, tag: int, what: str = "recv") -> Work:
     """Start a point-to-point ``MPI_Irecv`` into `buf` from `source`; the result is `buf`."""
+    _check_buffer(buf, "buf", what)
     staging = Staging()
     return _start(comm, what, "recv", comm.Irecv, (staging.write(buf), source, tag), (buf,),
                   buf, staging)

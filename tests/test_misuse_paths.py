@@ -10,7 +10,7 @@ from helpers import results, run_mpi
 from mpi4py import MPI
 
 from tensorplay_mpi import SGD, Adam, AdamW
-from tensorplay_mpi.comm import iallgather, iallreduce, ibcast
+from tensorplay_mpi.comm import iallgather, iallreduce, ibcast, irecv, isend
 from tensorplay_mpi.optim import clip_grad_norm
 
 # -- clipping float32 --------------------------------------------------------------------------
@@ -62,7 +62,8 @@ def test_the_collective_wrappers_refuse_arrays_not_in_c_order(layout):
     for start in (lambda: iallreduce(comm, bad, np.empty_like(bad)),
                   lambda: iallreduce(comm, np.ascontiguousarray(bad), bad),
                   lambda: ibcast(comm, bad, 0),
-                  lambda: iallgather(comm, bad, np.empty_like(bad))):
+                  lambda: iallgather(comm, bad, np.empty_like(bad)),
+                  lambda: isend(comm, bad, 0, 1), lambda: irecv(comm, bad, 0, 1)):
         with pytest.raises(ValueError, match="must be C-contiguous"):
             start()
 
