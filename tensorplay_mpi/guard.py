@@ -20,6 +20,8 @@ it while waiting.  It owns two private duplicates:
     time, it is broken: a collective that one rank started and another did not would be matched
     by the next one and give wrong numbers, so the exceptions propagate (with ``python -m
     mpi4py`` the job aborts) and every later library collective on it raises at once.
+    The same communicator carries the stall report's questions and answers
+    (:mod:`tensorplay_mpi.stall`).
 ``checks``
     With ``TENSORPLAY_MPI_DEBUG=1``, before every library collective the ranks allgather its
     signature (kind, count, dtype, op, root) and raise
@@ -38,6 +40,7 @@ from mpi4py import MPI
 from .errors import CollectiveMismatchError, PeerFailureError
 from .launch import check_launch, forget_exit_status, install_excepthook, launch_problem
 from .settings import settings
+from .stall import ANSWER_TAG, QUERY_TAG, StallReport, answer
 from .work import Work
 
 __all__ = ["Guard", "Verdict", "check_launch", "launch_problem", "NOTICE_GRACE_S"]
@@ -80,6 +83,7 @@ class Guard:
         self._settled: tuple[BaseException, Verdict] | None = None  # the latest settle
         self.broken: str | None = None
         self.started = 0  # collectives started on the guarded communicator (and their checks)
+        self._stall: StallReport | None = None  # a stall report waiting for answers
 
     @staticmethod
     def of(comm: MPI.Comm) -> "Guard | None":
@@ -148,9 +152,11 @@ class Guard:
         rank then raises its own exception, not a PeerFailureError, and the communicator stays
         usable.
         """
-        while self._receive_notice():
-            if self._first_notice is None:
-                self._first_notice = time.monotonic()
+        while self._receive(what):
+            pass
+        if self._stall is not None and self._stall.due():
+            self._stall.print()
+            self._stall = None
         first = self._first_notice  # set iff a notice is being settled
         if first is not None and time.monotonic() - max(first, since) > NOTICE_GRACE_S:
             rank, _, kind, message = self.received[0]
@@ -158,6 +164,10 @@ class Guard:
                                      f"{message} (while this rank waited for {what})")
             self.settle(error)  # a PeerFailureError leaves every library call settled
             raise error
+
+    def report_stall(self, what: str, waited: float) -> None:
+        """Ask every other rank where it is; the next polls print the answers (one line)."""
+        self._stall = StallReport(self.notices, self.rank, self.started, what, waited)
 
     # -- the failure path ------------------------------------------------------------------------
 
@@ -217,14 +227,16 @@ class Guard:
             return Verdict(False, progress)
         # every notice was sent before the agreement could complete
         while len(self.received) < self.size - 1 and time.monotonic() < deadline:
-            self._receive_notice()
+            self._receive("the failure agreement")
         for send in sends:  # every rank receives them all, as this one did
             send.wait_until(max(0.0, deadline - time.monotonic()), poll=False)
         shared, most, fewest = int(flags[0]) == 0, int(flags[1]), -int(flags[2])
         if not shared:
-            failed = sorted(r for r, was_own, _, _ in self.received if was_own)
-            failed += [self.rank] if own else []
-            self.broken = f"a failure on rank(s) {sorted(failed)} that other ranks did not share"
+            failed = {r: kind for r, was_own, kind, _ in self.received if was_own}
+            failed.update({self.rank: type(error).__name__} if own else {})
+            kinds = ", ".join(sorted(set(failed.values())))
+            self.broken = (f"a failure on rank(s) {sorted(failed)} ({kinds}) that other ranks "
+                           "did not share")
         elif most != fewest:
             self.broken = (f"a failure that every rank raised, but at different points: some "
                            f"rank had started {most} collectives on the communicator, another "
@@ -234,14 +246,25 @@ class Guard:
         return Verdict(self.broken is None, int(flags[3]))
 
 
-    def _receive_notice(self) -> bool:
-        """Receive one pending failure notice into :attr:`received`, if there is one."""
+    def _receive(self, what: str) -> bool:
+        """Receive one pending message on ``notices``, if there is one: a failure notice (kept
+        in :attr:`received`), a stall question (answered: this rank waits for `what`) or a
+        stall answer (for the report in progress; a late one is dropped)."""
         status = MPI.Status()
-        if not self.notices.Iprobe(MPI.ANY_SOURCE, _NOTICE_TAG, status):
+        if not self.notices.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
             return False
+        source, tag = status.Get_source(), status.Get_tag()
         payload = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-        self.notices.Recv(payload, status.Get_source(), _NOTICE_TAG)  # matched: returns at once
-        self.received.append(pickle.loads(payload.tobytes()))
+        self.notices.Recv(payload, source, tag)  # matched: returns at once
+        message = pickle.loads(payload.tobytes())
+        if tag == _NOTICE_TAG:
+            self.received.append(message)
+            if self._first_notice is None:
+                self._first_notice = time.monotonic()
+        elif tag == QUERY_TAG:
+            answer(self.notices, source, self.rank, self.started, what)
+        elif tag == ANSWER_TAG and self._stall is not None:
+            self._stall.add(*message)
         return True
 
 

@@ -4,12 +4,18 @@
 variable                        meaning                                  default
 ==============================  =======================================  =========
 ``TENSORPLAY_MPI_TIMEOUT``      seconds a library wait may take          ``1800``
+``TENSORPLAY_MPI_STALL``        seconds before a wait is reported; 0 off ``60``
 ``TENSORPLAY_MPI_GRACE``        seconds the failure agreement may take   ``10``
 ``TENSORPLAY_MPI_DEBUG``        collective signature checks              ``0``
 ``TENSORPLAY_MPI_CUDA_AWARE``   device pointers to MPI: auto, 0 or 1     ``auto``
 ``TENSORPLAY_MPI_EXCEPTHOOK``   abort the job on an uncaught exception   ``1``
 ``TENSORPLAY_MPI_THREADS``      BLAS threads per rank: keep or a number  automatic
 ==============================  =======================================  =========
+
+The timeout and the stall report cover the library's own waits: a rank blocked in a library
+call.  A deadlock entirely in your own code (rank 0 in ``comm.Barrier()``, rank 1 in
+``comm.recv()``) is in no library wait, and only the launcher's or the scheduler's time limit
+ends it.
 
 Booleans accept ``1/true/yes/on`` and ``0/false/no/off`` (any case).  A value that is none of
 the accepted ones raises ``ValueError`` naming the variable, at the first library call that
@@ -38,6 +44,8 @@ class Settings:
     """The library's settings, read from the environment by :func:`settings`."""
 
     timeout: float = 1800.0
+    stall: float = 60.0
+    """Seconds a library wait goes on before it is reported (once); 0 turns reports off."""
     grace: float = 10.0
     debug: bool = False
     cuda_aware: str = "auto"
@@ -61,14 +69,16 @@ def _text(name: str) -> str | None:
     return text or None
 
 
-def _seconds(name: str, default: float) -> float:
+def _seconds(name: str, default: float, zero: bool = False) -> float:
+    """A positive number of seconds (or 0 too, if `zero`: "off")."""
     text = _text(name)
     if text is None:
         return default
     try:
-        return positive_seconds(float(text), name)
+        return 0.0 if zero and float(text) == 0 else positive_seconds(float(text), name)
     except ValueError:
-        raise ValueError(f"{name} must be a positive number of seconds, got {text!r}") from None
+        kind = "number of seconds >= 0" if zero else "positive number of seconds"
+        raise ValueError(f"{name} must be a {kind}, got {text!r}") from None
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -119,6 +129,7 @@ def settings() -> Settings:
     _warn_unknown_names()
     return Settings(
         timeout=_seconds("TENSORPLAY_MPI_TIMEOUT", Settings.timeout),
+        stall=_seconds("TENSORPLAY_MPI_STALL", Settings.stall, zero=True),
         grace=_seconds("TENSORPLAY_MPI_GRACE", Settings.grace),
         debug=_flag("TENSORPLAY_MPI_DEBUG", Settings.debug),
         cuda_aware=_choice("TENSORPLAY_MPI_CUDA_AWARE", Settings.cuda_aware, ("auto", "0", "1")),

@@ -8,6 +8,7 @@ MODE (rank 1 misbehaves):
   step        rank 1 raises inside dp.step() with no Join; the others wait in the step
   uncaught    rank 1 raises between epochs, outside any library call (run without -m mpi4py)
   exit        rank 1 calls sys.exit(3) between epochs (run without -m mpi4py)
+  exit0       rank 1 calls sys.exit(0) inside a Join
   own         a blocking collective of the program's own inside a Join with uneven inputs (run
               with a small TENSORPLAY_MPI_TIMEOUT)
 
@@ -80,6 +81,14 @@ try:
             if bad:
                 raise ValueError("boom between epochs")
         go_on()
+    elif mode == "exit0":
+        dp = DataParallel([np.zeros(4)], comm=comm)
+        with Join([dp]):
+            for i in range(5):
+                if bad and i == 2:
+                    sys.exit(0)
+                with dp.step():
+                    dp.grads[0] = np.ones(4)
     elif mode == "own":
         dp = DataParallel([np.zeros(4)], comm=comm)
         with Join([dp]):
