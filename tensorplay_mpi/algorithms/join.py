@@ -29,6 +29,7 @@ from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
 from ..guard import Guard
+from ..settings import settings
 from ..stopping import stop_requested
 from ..threads import limit_threads
 from ..work import complete_pending
@@ -83,6 +84,7 @@ class Joinable(ABC):
     def __init__(self) -> None:
         super().__init__()
         self._bound_join: Join | None = None
+        self._made_join: Join | None = None  # the latest Join made with it, until entered
 
     @abstractmethod
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -125,6 +127,19 @@ def _bound_join(joinable: Joinable) -> "Join | None":
             f"{name} does not call the Joinable constructor: add super().__init__() "
             f"(or Joinable.__init__(self)) to {name}.__init__"
         ) from None
+
+
+def _check_not_forgotten(joinable: Joinable) -> None:
+    """Raise if a Join was made with `joinable` and never entered: its iterations would run
+    without the protocol (uneven inputs hang), silently."""
+    made = joinable._made_join
+    if made is not None and made._enable:
+        joinable._made_join = None  # said once
+        name = type(joinable).__name__
+        raise RuntimeError(
+            f"a Join was made with this {name} but never entered, so its iterations run "
+            f"outside any Join: use the Join as a context manager, `with Join([...]):` "
+            f"(a bare Join(...) or dp.join() call does nothing)")
 
 
 class Join:
@@ -264,6 +279,8 @@ class Join:
         self._asked: str | None = None  # this rank's request, once a heartbeat or poll sent it
         self._entered = False
         self._joining = False
+        for joinable in self._joinables:
+            joinable._made_join = self
 
     def _check_joinables(self) -> None:
         if not self._joinables:
@@ -295,10 +312,12 @@ class Join:
                     "two Joins cannot share a joinable"
                 )
         self._entered = True
+        settings()  # a bad environment value raises here, before anything starts
         self._guard = Guard.attach(self._comm)
         limit_threads(self._comm)
         for joinable in self._joinables:
             joinable._bound_join = self
+            joinable._made_join = None
         return self
 
     # -- the public view joinables read -----------------------------------------------------
@@ -404,9 +423,15 @@ class Join:
             In throw mode, when some rank has run out of inputs.
         TypeError
             If `joinable` skipped ``Joinable.__init__``.
+        RuntimeError
+            Outside a Join, if the latest Join made with `joinable` was never entered (a
+            ``Join([...])`` or ``dp.join()`` written without ``with``).
         """
         join = _bound_join(joinable)
-        if join is None or join._joinables[0] is not joinable:
+        if join is None:
+            _check_not_forgotten(joinable)
+            return None
+        if join._joinables[0] is not joinable:
             return None
         if not join._enable or join._joining:
             return None
