@@ -84,6 +84,7 @@ class Guard:
         self.broken: str | None = None
         self.started = 0  # collectives started on the guarded communicator (and their checks)
         self._stall: StallReport | None = None  # a stall report waiting for answers
+        self._sent: list[np.ndarray] = []  # payloads of stall messages, kept while MPI may read
 
     @staticmethod
     def of(comm: MPI.Comm) -> "Guard | None":
@@ -119,8 +120,7 @@ class Guard:
         """Refuse a broken communicator; count a collective; in debug mode, check that every
         rank issues the same."""
         if self.broken is not None:
-            raise RuntimeError(f"rank {self.rank}: cannot start {what}: the communicator is "
-                               f"unusable after {self.broken}; end the job")
+            raise self._unusable(f"cannot start {what}")
         if kind in _COLLECTIVES:
             if settings().debug and signature is not None:
                 self.started += 1  # the check is an operation of its own (on ``checks``)
@@ -152,6 +152,8 @@ class Guard:
         rank then raises its own exception, not a PeerFailureError, and the communicator stays
         usable.
         """
+        if self.broken is not None:  # started before the verdict: it can never complete
+            raise self._unusable(f"{what} cannot complete")
         while self._receive(what):
             pass
         if self._stall is not None and self._stall.due():
@@ -165,9 +167,20 @@ class Guard:
             self.settle(error)  # a PeerFailureError leaves every library call settled
             raise error
 
+    def _unusable(self, what: str) -> RuntimeError:
+        return RuntimeError(f"rank {self.rank}: {what}: the communicator is unusable after "
+                            f"{self.broken}; end the job")
+
+    def drain(self) -> None:
+        """Receive what is waiting on ``notices`` (stall questions and late answers)."""
+        if self.broken is None:
+            while self._receive("nothing (between Joins)"):
+                pass
+
     def report_stall(self, what: str, waited: float) -> None:
         """Ask every other rank where it is; the next polls print the answers (one line)."""
-        self._stall = StallReport(self.notices, self.rank, self.started, what, waited)
+        self._stall = StallReport(self.notices, self.rank, self.started, what, waited,
+                                  self._sent)
 
     # -- the failure path ------------------------------------------------------------------------
 
@@ -175,11 +188,14 @@ class Guard:
         """Tell every rank about `error`, agree, and say whether the communicator is intact.
 
         Called by every rank that leaves a Join or a step through an exception, and by a wait
-        that raises PeerFailureError.  Settling the same exception again returns the same
-        verdict, so an exception that leaves a step and then its Join is settled once.  The
-        agreement waits for the other ranks at most ``$TENSORPLAY_MPI_GRACE`` seconds; a rank
-        whose peers do not come (they are busy outside the library, or gone) marks the
-        communicator broken and lets its own exception propagate.
+        that raises PeerFailureError.  Two rounds: the agreement, then a confirmation that
+        every rank completed it (a rank that gave up waiting for a late one does not confirm,
+        so the late one cannot take the communicator for intact).  Settling the same exception
+        again returns the same verdict, so an exception that leaves a step and then its Join
+        is settled once.  Each round waits for the other ranks at most
+        ``$TENSORPLAY_MPI_GRACE`` seconds; a rank whose peers do not come (they are busy
+        outside the library, or gone) marks the communicator broken and lets its own exception
+        propagate.
 
         Parameters
         ----------
@@ -219,11 +235,17 @@ class Guard:
                       (payload,)) for r in range(self.size) if r != self.rank]
         matched = self.started - progress  # collectives that every rank must have started
         flags = np.array([int(not own), matched, -matched, progress], np.int64)
-        agreement = Work(self.notices.Iallreduce(MPI.IN_PLACE, flags, MPI.MAX),
-                         "failure agreement", (flags,))
-        if not agreement.wait_until(grace, poll=False):
+        if not self._all_come(flags, MPI.MAX, "failure agreement", grace):
             self.broken = (f"a failure ({type(error).__name__}) that not every rank came to "
                            f"agree on within {grace:g} s (TENSORPLAY_MPI_GRACE)")
+            return Verdict(False, progress)
+        # A rank that gave up waiting above is broken, and comes to no second round: a rank
+        # that came after it (its agreement matched the given-up one) learns it here.
+        if not self._all_come(np.ones(1, np.int64), MPI.MIN, "failure agreement (second "
+                              "round)", grace):
+            self.broken = (f"a failure ({type(error).__name__}) that a rank gave up agreeing "
+                           f"on (it came more than {grace:g} s, TENSORPLAY_MPI_GRACE, after "
+                           "another)")
             return Verdict(False, progress)
         # every notice was sent before the agreement could complete
         while len(self.received) < self.size - 1 and time.monotonic() < deadline:
@@ -246,6 +268,12 @@ class Guard:
         return Verdict(self.broken is None, int(flags[3]))
 
 
+    def _all_come(self, flags: np.ndarray, op: MPI.Op, what: str, grace: float) -> bool:
+        """``Iallreduce(IN_PLACE, flags, op)`` on ``notices``; False if not every rank comes
+        within `grace` s (the operation then stays pending, on a broken communicator)."""
+        work = Work(self.notices.Iallreduce(MPI.IN_PLACE, flags, op), what, (flags,), None, self)
+        return work.wait_until(grace, poll=False)
+
     def _receive(self, what: str) -> bool:
         """Receive one pending message on ``notices``, if there is one: a failure notice (kept
         in :attr:`received`), a stall question (answered: this rank waits for `what`) or a
@@ -262,7 +290,7 @@ class Guard:
             if self._first_notice is None:
                 self._first_notice = time.monotonic()
         elif tag == QUERY_TAG:
-            answer(self.notices, source, self.rank, self.started, what)
+            answer(self.notices, source, (self.rank, self.started, what), self._sent)
         elif tag == ANSWER_TAG and self._stall is not None:
             self._stall.add(*message)
         return True

@@ -19,18 +19,22 @@ ends it.
 
 Booleans accept ``1/true/yes/on`` and ``0/false/no/off`` (any case).  A value that is none of
 the accepted ones raises ``ValueError`` naming the variable, at the first library call that
-needs the settings.
+needs the settings, before that call starts anything.  Any other ``TENSORPLAY_MPI_*`` variable
+(a misspelling such as ``TENSORPLAY_MPI_TIMOUT``) gets one ``RuntimeWarning`` from rank 0.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
 __all__ = ["Settings", "settings", "positive_seconds", "threads_setting"]
 
+_PREFIX = "TENSORPLAY_MPI_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -123,6 +127,7 @@ def settings() -> Settings:
     ValueError
         If a variable holds a value it does not accept.
     """
+    _warn_unknown_names()
     return Settings(
         timeout=_seconds("TENSORPLAY_MPI_TIMEOUT", Settings.timeout),
         stall=_seconds("TENSORPLAY_MPI_STALL", Settings.stall, zero=True),
@@ -132,3 +137,27 @@ def settings() -> Settings:
         excepthook=_flag("TENSORPLAY_MPI_EXCEPTHOOK", Settings.excepthook),
         threads=threads_setting(os.environ.get("TENSORPLAY_MPI_THREADS")),
     )
+
+
+_warned: set[str] = set()  # unknown names already warned about
+
+
+def _warn_unknown_names() -> None:
+    """One RuntimeWarning on rank 0 for ``TENSORPLAY_MPI_*`` names that are no setting."""
+    known = {_PREFIX + field.name.upper() for field in fields(Settings)}
+    unknown = sorted(name for name in os.environ
+                     if name.startswith(_PREFIX) and name not in known | _warned)
+    if not unknown:
+        return
+    _warned.update(unknown)
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return
+    for name in unknown:
+        close = difflib.get_close_matches(name[len(_PREFIX):],
+                                          [k[len(_PREFIX):] for k in sorted(known)], n=1)
+        hint = (f"did you mean {_PREFIX}{close[0]}?" if close
+                else f"the settings are {', '.join(sorted(known))}")
+        warnings.warn(f"{name} is not a tensorplay_mpi setting and is ignored ({hint})",
+                      RuntimeWarning, stacklevel=2)

@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .work import Work, likely_causes
+from .work import likely_causes
 
 __all__ = ["QUERY_TAG", "ANSWER_TAG", "ANSWER_WINDOW_S", "StallReport", "answer"]
 
@@ -27,28 +27,36 @@ ANSWER_WINDOW_S = 1.0
 """Seconds a stalled rank collects answers before it prints its report."""
 
 
-def _send(comm: MPI.Intracomm, message: tuple, dest: int, tag: int, what: str) -> None:
+def _send(comm: MPI.Intracomm, message: tuple, dest: int, tag: int,
+          sent: list[np.ndarray]) -> None:
+    """Send without a request to complete: a rank that never asks again never receives it.
+
+    MPI lets a send request be freed while active; its payload stays in `sent` (the guard's,
+    kept as long as the communicator) since MPI may still read it.
+    """
     payload = np.frombuffer(pickle.dumps(message), np.uint8)
-    Work(comm.Isend(payload, dest, tag), what, (payload,))  # owned by the registry
+    sent.append(payload)
+    comm.Isend(payload, dest, tag).Free()
 
 
-def answer(comm: MPI.Intracomm, asker: int, rank: int, started: int, what: str) -> None:
-    """Tell `asker` where this rank is: `started` collectives, waiting for `what`."""
-    _send(comm, (rank, started, what), asker, ANSWER_TAG, "stall answer")
+def answer(comm: MPI.Intracomm, asker: int, where: tuple[int, int, str],
+           sent: list[np.ndarray]) -> None:
+    """Tell `asker` where this rank is: ``(rank, collectives started, what it waits for)``."""
+    _send(comm, where, asker, ANSWER_TAG, sent)
 
 
 class StallReport:
     """One report in progress: the question is out, the answers come in through the guard."""
 
     def __init__(self, comm: MPI.Intracomm, rank: int, started: int, what: str,
-                 waited: float) -> None:
+                 waited: float, sent: list[np.ndarray]) -> None:
         self.rank, self.size = rank, comm.Get_size()
         self.started, self.what, self.waited = started, what, waited
         self.answers: dict[int, tuple[int, str]] = {}
         self.deadline = time.monotonic() + ANSWER_WINDOW_S
         for other in range(self.size):
             if other != rank:
-                _send(comm, (rank,), other, QUERY_TAG, f"stall question to {other}")
+                _send(comm, (rank,), other, QUERY_TAG, sent)
 
     def add(self, rank: int, started: int, what: str) -> None:
         """Note one answer."""

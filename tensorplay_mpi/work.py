@@ -291,7 +291,7 @@ def progress_pending() -> None:
 def complete_pending(poller: Poller | None, timeout: float) -> None:
     """Wait for every pending operation polled by `poller` (the operations of one guarded
     communicator), in start order; abort the job if one does not complete within `timeout`."""
-    for work in [w for w in _pending.values() if w.poller is poller]:
+    for work in [w for w in list(_pending.values()) if w.poller is poller]:
         work.wait_or_abort(timeout)
 
 

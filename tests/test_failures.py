@@ -162,6 +162,35 @@ def test_sys_exit_0_inside_a_join_on_one_rank_ends_the_job_at_once_and_says_why(
     assert "never matched" not in result.stderr, result.stderr
 
 
+def test_a_sys_exit_in_a_thread_does_not_abort_a_job_that_ends_normally():
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, MISUSE, "exit_thread"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert results(result.stdout) == {0: "ok", 1: "ok"}, result.stdout
+
+
+def test_a_rank_that_comes_to_the_agreement_after_the_grace_gets_the_same_verdict():
+    start = time.monotonic()
+    result = run_mpi(2, [MISUSE, "late"], timeout=60, TENSORPLAY_MPI_GRACE="2")
+    elapsed = time.monotonic() - start
+    outcomes = results(result.stdout)
+    assert result.returncode != 0 and elapsed < 20, (elapsed, result.stdout, result.stderr)
+    for rank in (0, 1):
+        assert outcomes[rank].startswith("RuntimeError: ") and "unusable" in outcomes[rank], \
+            outcomes
+
+
+def test_an_operation_pending_when_the_communicator_breaks_fails_at_once():
+    start = time.monotonic()
+    result = run_mpi(2, [MISUSE, "continue"], timeout=60, TENSORPLAY_MPI_TIMEOUT="30")
+    elapsed = time.monotonic() - start
+    outcomes = results(result.stdout)
+    assert result.returncode != 0 and elapsed < 15, (elapsed, result.stdout, result.stderr)
+    assert outcomes[1] == "ValueError: bad batch on rank 1", outcomes
+    assert outcomes[0].startswith("RuntimeError: rank 0: heartbeat (iteration 3) cannot "
+                                  "complete: the communicator is unusable"), outcomes
+
+
 def test_a_work_waited_for_in_another_thread_is_never_tested_by_two_threads_at_once():
     result = run_mpi(2, [str(Path(__file__).parent / "programs" / "threads.py")], timeout=90)
     assert results(result.stdout) == {0: "ok", 1: "ok"}, (result.stdout, result.stderr)
