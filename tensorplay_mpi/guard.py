@@ -10,12 +10,16 @@ it while waiting.  It owns two private duplicates:
     the failure is its own, the exception's type and message) to every other rank.  Every
     library wait on the guarded communicator looks for notices; after a short grace it settles
     the failure and raises :class:`~tensorplay_mpi.errors.PeerFailureError`.  Settling is the
-    failure agreement, ``Iallreduce([not own, progress], MAX)`` on ``notices``, bounded by
-    ``$TENSORPLAY_MPI_GRACE`` (10 s): when every rank failed on its own (one bug on all ranks)
-    the communicator is intact, pending requests are completed and each rank's exception
-    propagates unchanged.  Otherwise, or when some rank does not come to agree in time, it is
-    broken: the exceptions propagate (with ``python -m mpi4py`` the job aborts) and later
-    library collectives on it raise at once.
+    failure agreement, one ``Iallreduce(MAX)`` on ``notices`` of whether the failure was
+    another rank's, and of how far the rank got: the collectives it started on the guarded
+    communicator (:attr:`Guard.started`), plus and minus, so that the maximum gives both the
+    highest and the lowest count.  It is bounded by ``$TENSORPLAY_MPI_GRACE`` (10 s).  When
+    every rank failed on its own (one bug on all ranks) AND every rank started the same
+    collectives, the communicator is intact: pending requests are completed and each rank's
+    exception propagates unchanged.  Otherwise, or when some rank does not come to agree in
+    time, it is broken: a collective that one rank started and another did not would be matched
+    by the next one and give wrong numbers, so the exceptions propagate (with ``python -m
+    mpi4py`` the job aborts) and every later library collective on it raises at once.
 ``checks``
     With ``TENSORPLAY_MPI_DEBUG=1``, before every library collective the ranks allgather its
     signature (kind, count, dtype, op, root) and raise
@@ -32,7 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import CollectiveMismatchError, PeerFailureError
-from .launch import check_launch, install_excepthook, launch_problem
+from .launch import check_launch, forget_exit_status, install_excepthook, launch_problem
 from .settings import settings
 from .work import Work
 
@@ -51,7 +55,7 @@ class Verdict(NamedTuple):
     """The outcome of a failure agreement (:meth:`Guard.settle`)."""
 
     intact: bool
-    """True iff every rank failed on its own: the communicator is usable."""
+    """True iff every rank failed on its own, at the same point: the communicator is usable."""
     progress: int
     """The highest `progress` any rank reported (meaningful when intact)."""
 
@@ -75,6 +79,7 @@ class Guard:
         self._first_notice: float | None = None
         self._settled: tuple[BaseException, Verdict] | None = None  # the latest settle
         self.broken: str | None = None
+        self.started = 0  # collectives started on the guarded communicator (and their checks)
 
     @staticmethod
     def of(comm: MPI.Comm) -> "Guard | None":
@@ -88,6 +93,7 @@ class Guard:
 
         Collective over `comm` the first time: every rank must call it.
         """
+        forget_exit_status()  # a sys.exit before this point was caught
         guard = cls.of(comm)
         if guard is None:
             check_launch()
@@ -106,12 +112,16 @@ class Guard:
 
     def before_collective(self, kind: str, what: str,
                           signature: Callable[[], str] | None) -> None:
-        """Refuse a broken communicator; in debug mode, check that every rank issues the same."""
+        """Refuse a broken communicator; count a collective; in debug mode, check that every
+        rank issues the same."""
         if self.broken is not None:
             raise RuntimeError(f"rank {self.rank}: cannot start {what}: the communicator is "
                                f"unusable after {self.broken}; end the job")
-        if settings().debug and kind in _COLLECTIVES and signature is not None:
-            self._check_signatures(signature(), what)
+        if kind in _COLLECTIVES:
+            if settings().debug and signature is not None:
+                self.started += 1  # the check is an operation of its own (on ``checks``)
+                self._check_signatures(signature(), what)
+            self.started += 1
 
     def _check_signatures(self, signature: str, what: str) -> None:
         mine = np.zeros((2, _SIGNATURE_BYTES), np.uint8)
@@ -166,12 +176,15 @@ class Guard:
         error : BaseException
             The exception this rank leaves with.
         progress : int, default 0
-            A count the caller needs agreed (how many of its operations it started).
+            How many of the collectives this rank started the caller will complete itself
+            when the verdict is intact (DataParallel's buckets of the failed step: a rank that
+            started fewer starts the missing ones).  The other collectives must match exactly.
 
         Returns
         -------
         Verdict
-            ``intact`` iff every rank failed on its own; ``progress``, the highest over ranks.
+            ``intact`` iff every rank failed on its own and every rank started the same
+            collectives apart from `progress`; ``progress``, the highest over ranks.
         """
         if self._settled is not None and self._settled[0] is error:
             return self._settled[1]
@@ -194,7 +207,8 @@ class Guard:
         payload = np.frombuffer(pickle.dumps(notice), np.uint8)
         sends = [Work(self.notices.Isend(payload, r, _NOTICE_TAG), f"failure notice to {r}",
                       (payload,)) for r in range(self.size) if r != self.rank]
-        flags = np.array([int(not own), progress], np.int64)
+        matched = self.started - progress  # collectives that every rank must have started
+        flags = np.array([int(not own), matched, -matched, progress], np.int64)
         agreement = Work(self.notices.Iallreduce(MPI.IN_PLACE, flags, MPI.MAX),
                          "failure agreement", (flags,))
         if not agreement.wait_until(grace, poll=False):
@@ -206,14 +220,18 @@ class Guard:
             self._receive_notice()
         for send in sends:  # every rank receives them all, as this one did
             send.wait_until(max(0.0, deadline - time.monotonic()), poll=False)
-        intact = int(flags[0]) == 0
-        if not intact:
+        shared, most, fewest = int(flags[0]) == 0, int(flags[1]), -int(flags[2])
+        if not shared:
             failed = sorted(r for r, was_own, _, _ in self.received if was_own)
             failed += [self.rank] if own else []
             self.broken = f"a failure on rank(s) {sorted(failed)} that other ranks did not share"
+        elif most != fewest:
+            self.broken = (f"a failure that every rank raised, but at different points: some "
+                           f"rank had started {most} collectives on the communicator, another "
+                           f"{fewest} (this rank {matched}), so an operation is unmatched")
         self.received.clear()
         self._first_notice = None
-        return Verdict(intact, int(flags[1]))
+        return Verdict(self.broken is None, int(flags[3]))
 
 
     def _receive_notice(self) -> bool:

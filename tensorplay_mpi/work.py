@@ -51,6 +51,9 @@ _LIKELY_CAUSES = (
 class Poller(Protocol):
     """What a Work polls while it waits (the guard of its communicator)."""
 
+    broken: str | None
+    """Why the communicator is unusable (its operations can never complete), else None."""
+
     def poll(self, what: str, since: float) -> None:
         """Raise if another rank reported a failure."""
 
@@ -256,11 +259,14 @@ def _complete_all_at_exit() -> None:
         return
     deadline = time.monotonic() + settings().grace
     for work in list(_pending.values()):
-        if not work.wait_until(max(0.0, deadline - time.monotonic()), poll=False):
-            report_and_abort(RuntimeError(
-                f"rank {MPI.COMM_WORLD.Get_rank()}: the process exits with {len(_pending)} "
-                f"library operation(s) that other ranks never matched ({work.what} first); "
-                "aborting so that the job ends"))
+        broken = getattr(work.poller, "broken", None)  # then it can never complete: no wait
+        if broken is None and work.wait_until(max(0.0, deadline - time.monotonic()), poll=False):
+            continue
+        why = (f"on a communicator left unusable by {broken}" if broken is not None
+               else "that other ranks never matched")
+        report_and_abort(RuntimeError(
+            f"rank {MPI.COMM_WORLD.Get_rank()}: the process exits with {len(_pending)} library "
+            f"operation(s) {why} ({work.what} first); aborting so that the job ends"))
 
 
 atexit.register(_complete_all_at_exit)  # after mpi4py's own: runs before MPI_Finalize

@@ -5,11 +5,12 @@ all nonblocking; the documentation's "Wire protocol" page has every joinable's s
 
 - active rank, each iteration: every joinable's :meth:`Joinable.end_iteration` (list order),
   then ``Iallreduce([1], SUM)`` (the heartbeat), then the iteration's collectives, joinable by
-  joinable in list order;
+  joinable in list order; a rank with a pending stop request (:mod:`tensorplay_mpi.stopping`)
+  sends ``1 + 2**32`` instead, so the sum's high half counts the ranks that ask to stop;
 - on leaving the block: every ``end_iteration`` once more, then the joined loop.  Joined rank,
-  each round: ``Iallreduce([0], SUM)`` + wait gives the number of active ranks ``n``; ``n == 0``
-  ends the loop, else every main hook shadows one active iteration, in list order; then every
-  post hook once, in list order;
+  each round: ``Iallreduce([0], SUM)`` (``2**32`` with a stop request) + wait gives the
+  number of active ranks ``n`` (the low half); ``n == 0`` ends the loop, else every main hook
+  shadows one active iteration, in list order; then every post hook once, in list order;
 - throw mode adds one pair per iteration: active ``Iallreduce([0])`` + wait (raise if > 0),
   joined ``Iallreduce([1])`` + wait, then raise
   :class:`~tensorplay_mpi.errors.EarlyTerminationError`.
@@ -28,6 +29,7 @@ from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
 from ..guard import Guard
+from ..stopping import stop_requested
 from ..threads import limit_threads
 from ..work import complete_pending
 
@@ -36,8 +38,17 @@ __all__ = ["Join", "Joinable", "JoinHook"]
 SKEW_WARN_ROUNDS = 1000
 """A joined rank that shadows more rounds than this warns once about the input skew."""
 
-_ONE = np.ones(1, dtype=np.int64)
-_ONE.flags.writeable = False  # shared read-only send buffer of every heartbeat
+_STOP = 1 << 32
+"""What a stop request adds to a heartbeat or poll: the sum's high half counts the requests."""
+
+
+def _constant(value: int) -> np.ndarray:
+    array = np.full(1, value, dtype=np.int64)
+    array.flags.writeable = False  # shared read-only send buffer of every heartbeat
+    return array
+
+
+_HEARTBEAT = {False: _constant(1), True: _constant(1 + _STOP)}  # by "a stop is requested"
 
 
 class JoinHook:
@@ -105,10 +116,6 @@ class Joinable(ABC):
         """
 
 
-def _first_int(buf: np.ndarray) -> int:
-    return int(buf[0])
-
-
 def _bound_join(joinable: Joinable) -> "Join | None":
     try:
         return joinable._bound_join
@@ -164,6 +171,21 @@ class Join:
     block propagates unchanged and no hook runs; the other ranks learn of it inside their
     next library wait and raise :class:`~tensorplay_mpi.errors.PeerFailureError` (see
     :mod:`tensorplay_mpi.guard`).
+
+    A stop request on any rank (a signal under :func:`~tensorplay_mpi.stop_on_signals`, or
+    :func:`~tensorplay_mpi.request_stop`) rides in the next heartbeat: :attr:`stopped`
+    becomes true on every rank at the same iteration.  A loop that checks it at the top of
+    each iteration leaves the block on every rank at one iteration boundary, as ranks leave
+    when their inputs run out::
+
+        with stop_on_signals():
+            with Join([dp, opt]) as join:
+                for batch in my_batches:
+                    if join.stopped:
+                        break
+                    ...
+            if join.stopped:
+                save_checkpoint(...)
 
     Examples
     --------
@@ -238,6 +260,7 @@ class Join:
         self._count = np.zeros(1, dtype=np.int64)  # the one buffer of every poll/throw pair
         self._guard: Guard | None = None
         self._iterations = 0  # heartbeats sent
+        self._stops = 0  # the most ranks any completed heartbeat or poll said asked to stop
         self._entered = False
         self._joining = False
 
@@ -306,6 +329,28 @@ class Join:
         heartbeat.wait_or_abort(self._timeout)
         return heartbeat.result()
 
+    @property
+    def stopped(self) -> bool:
+        """Whether a heartbeat of this Join carried a stop request of any rank.
+
+        The same on every rank at the same iteration: it reads the latest heartbeat (waiting
+        for it if needed), so check it at the top of an iteration.  After the block, true on
+        every rank iff any heartbeat or poll of the Join carried a request.  Always false
+        when the Join is disabled (no heartbeat carries anything).
+        """
+        if self._enable and not self._joining and self._heartbeats:
+            self._heartbeats[-1].wait_or_abort(self._timeout)
+        return self._stops > 0
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the Join stopped, when :attr:`stopped`: this rank's own request (``"SIGTERM"``,
+        ...) or how many other ranks asked; else ``None``."""
+        if not self.stopped:
+            return None
+        own = stop_requested()
+        return own if own is not None else f"a stop requested by {self._stops} other rank(s)"
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             if not self._enable:  # inert: started nothing, agrees on nothing
@@ -369,15 +414,21 @@ class Join:
         self._heartbeats = [w for w in self._heartbeats if not w.is_completed()]
         self._iterations += 1
         recv = np.empty(1, dtype=np.int64)
-        work = iallreduce(self._comm, _ONE, recv, MPI.SUM,
-                          f"heartbeat (iteration {self._iterations})", finish=_first_int)
+        work = iallreduce(self._comm, _HEARTBEAT[stop_requested() is not None], recv, MPI.SUM,
+                          f"heartbeat (iteration {self._iterations})", finish=self._read_count)
         self._heartbeats.append(work)
         if self._throw_on_early_termination and self._sum_over_ranks(
-                0, f"throw check (iteration {self._iterations})") > 0:
+                0, f"throw check (iteration {self._iterations})")[0] > 0:
             raise EarlyTerminationError(
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks."
             )
         return work
+
+    def _read_count(self, buf: np.ndarray) -> int:
+        """The number of active ranks in a heartbeat's or poll's sum; notes the stop requests."""
+        total = int(buf[0])
+        self._stops = max(self._stops, total >> 32)
+        return total & (_STOP - 1)
 
     def _finish_iterations(self) -> None:
         for joinable in self._joinables:
@@ -389,11 +440,11 @@ class Join:
             work.wait_or_abort(self._timeout)
         self._heartbeats.clear()
 
-    def _sum_over_ranks(self, value: int, what: str) -> int:
+    def _sum_over_ranks(self, value: int, what: str) -> np.ndarray:
         self._count[0] = value
         iallreduce(self._comm, MPI.IN_PLACE, self._count, MPI.SUM, what).wait_or_abort(
             self._timeout)
-        return int(self._count[0])
+        return self._count
 
     def _join_loop(self) -> None:
         self._joining = True  # hooks calling notify_join_context get None from here on
@@ -410,7 +461,9 @@ class Join:
                     "degradation.",
                     stacklevel=3,
                 )
-            if self._sum_over_ranks(0, f"poll (round {rounds + 1} after joining)") == 0:
+            stop = _STOP if stop_requested() is not None else 0
+            if self._read_count(self._sum_over_ranks(
+                    stop, f"poll (round {rounds + 1} after joining)")) == 0:
                 break
             if self._throw_on_early_termination:
                 self._sum_over_ranks(1, "throw notice")

@@ -7,6 +7,7 @@ MODE (rank 1 misbehaves):
   disabled    rank 1 raises inside a Join(enable=False) block; the others go on
   step        rank 1 raises inside dp.step() with no Join; the others wait in the step
   uncaught    rank 1 raises between epochs, outside any library call (run without -m mpi4py)
+  exit        rank 1 calls sys.exit(3) between epochs (run without -m mpi4py)
   own         a blocking collective of the program's own inside a Join with uneven inputs (run
               with a small TENSORPLAY_MPI_TIMEOUT)
 
@@ -68,12 +69,14 @@ try:
                 if bad:
                     raise ValueError("boom in a step without a Join")
                 dp.grads[0] = np.ones(4)
-    elif mode == "uncaught":
+    elif mode in ("uncaught", "exit"):
         dp = DataParallel([np.zeros(4)], comm=comm)
         for _ in range(2):
             with Join([dp]):
                 with dp.step():
                     dp.grads[0] = np.ones(4)
+            if bad and mode == "exit":
+                sys.exit(3)
             if bad:
                 raise ValueError("boom between epochs")
         go_on()
