@@ -301,29 +301,44 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     if kind == "zero-consolidated":
         assert isinstance(optimizer, ZeroRedundancyOptimizer)
         optimizer.consolidate_state_dict(to=0)
-    nbytes = 0
-    try:  # phase 1: what only this rank has
+    shard = _shard_path(directory, rank, size, token)
+    try:
+        written = _write_files(comm, directory, shard, params, buffers, optimizer, kind, every,
+                               extra, timeout)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(shard)  # this save's, if this rank wrote it: no manifest names it
+        raise
+    _remove_stale(directory, rank, shard)
+    elapsed = _agree(comm, None, "checkpoint timing", timeout,
+                     int((time.perf_counter() - start) * 1e9)).max() / 1e9
+    return Saved(os.path.join(directory, MANIFEST), int(written.sum()), float(elapsed))
+
+
+def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequence[Any],
+                 buffers: Sequence[Any], optimizer: Any, kind: str, every: np.ndarray,
+                 extra: Mapping[str, Any] | None, timeout: float) -> np.ndarray:
+    """Write this rank's shard, agree, then rank 0 writes the manifest (the commit point),
+    agree; every rank's bytes written."""
+    error: BaseException | None = None
+    nbytes, rank = 0, comm.Get_rank()
+    try:
         os.makedirs(directory, exist_ok=True)
         if kind == "zero-sharded":
-            assert isinstance(optimizer, ZeroRedundancyOptimizer)
             arrays, meta = _flatten(optimizer.local.state_dict(), "optimizer")
             arrays["meta"] = np.array(json.dumps(meta))
-            nbytes += _write(_shard_path(directory, rank, size, token), arrays)
+            nbytes += _write(shard, arrays)
         if rank == 0:
-            manifest = _manifest(params, buffers, optimizer, kind, every, extra, token)
+            manifest = _manifest(params, buffers, optimizer, kind, every, extra, int(every[0, 3]))
     except Exception as failed:
         error = failed
     _agree(comm, error, "checkpoint write (optimizer shards)", timeout)
-    try:  # phase 2: the manifest, the commit point
+    try:
         if rank == 0:
             nbytes += _write(os.path.join(directory, MANIFEST), manifest)
     except Exception as failed:
         error = failed
-    written = _agree(comm, error, "checkpoint write (manifest)", timeout, nbytes)
-    _remove_stale(directory, rank, _shard_path(directory, rank, size, token))
-    elapsed = _agree(comm, None, "checkpoint timing", timeout,
-                     int((time.perf_counter() - start) * 1e9)).max() / 1e9
-    return Saved(os.path.join(directory, MANIFEST), int(written.sum()), float(elapsed))
+    return _agree(comm, error, "checkpoint write (manifest)", timeout, nbytes)
 
 
 def _remove_stale(directory: str, rank: int, current: str) -> None:
@@ -452,8 +467,7 @@ def _optimizer_state(meta: dict, arrays: dict[str, np.ndarray], optimizer: Any,
     full = saved in ("local", "zero-consolidated")
     if saved == "none" and wanted == "none":
         return None
-    sharded = saved == "zero-sharded"
-    if "none" in (saved, wanted) or sharded != (wanted == "zero-sharded"):
+    if "none" in (saved, wanted) or (saved == "zero-sharded" and wanted == "local"):
         raise ValueError(f"the checkpoint holds optimizer state of kind {saved!r}, the optimizer "
                          f"given is {'none' if optimizer is None else type(optimizer).__name__}"
                          " (a full state loads into a local optimizer or a "

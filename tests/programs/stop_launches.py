@@ -1,4 +1,4 @@
-"""Random-signal trials of the demo as real jobs: signal its ranks, run it again (``make stop-trials``).
+"""Random-signal trials of the demo as real jobs, signalled and run again (``make stop-trials``).
 
     python tests/programs/stop_launches.py --ranks 1 2 3 4 --trials 3 --dir DIR
 

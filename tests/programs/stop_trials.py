@@ -76,7 +76,7 @@ def main():
             delay, target, signum = ctl.bcast(draw)
             fired = []
 
-            def fire(signum=signum):
+            def fire(signum=signum, fired=fired):
                 fired.append(time.perf_counter())
                 os.kill(os.getpid(), signum)
 
