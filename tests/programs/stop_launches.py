@@ -5,13 +5,14 @@
 For each rank count the demo first runs without ``--checkpoint`` (the reference digest).  Each
 trial launches ``mpiexec -n N python -m mpi4py -m tensorplay_mpi.examples.train ...
 --checkpoint DIR/...``, sends SIGTERM, SIGUSR1 or SIGINT to one rank process or to every one
-at a random moment, and waits for the job to end; then runs the same command again until it
-completes (at most twice).  Outcomes: ``resumed`` (it stopped with status 75 and the rerun
-gave the reference digest), ``finished`` (it completed first, with the reference digest),
-``error`` (it failed, say killed by a signal before its handlers were installed, and the rerun
-gave the reference digest), ``WRONG`` (anything else).  A job that outlives its timeout is a
-hang: WRONG.  Prints per rank count the outcomes, the largest stop latency (signal to job
-end), and the checkpoint sizes and write times the demo reported; exits 1 on any WRONG.
+at a random moment (of the whole run, or of its training), waits for the job to end, then
+runs the same command again until it completes (at most twice).  Outcomes: ``resumed`` (it
+stopped with status 75 and the rerun gave the reference digest), ``finished`` (it completed
+first, with the reference digest), ``error`` (it failed, say killed by a signal before its
+handlers were installed, and the rerun gave the reference digest), ``WRONG`` (anything else).
+A job that outlives its timeout is a hang: WRONG.  Prints per rank count the outcomes, the
+largest stop latency of a signal sent while it trained (signal to job end), and the
+checkpoint sizes and write times the demo reported; exits 1 on any WRONG.
 """
 
 import argparse
@@ -76,10 +77,17 @@ def digest_of(out):
     return found.group(1) if found else None
 
 
-def trial(nprocs, directory, reference, wall, rng, report):
+def trial(nprocs, directory, reference, wall, training, rng, report):
     checkpoint = ["--checkpoint", directory]
     job = launch(nprocs, checkpoint)
-    time.sleep(rng.uniform(0.2, wall))
+    training_now = rng.random() < 0.5
+    if not training_now:  # any moment, start-up included
+        time.sleep(rng.uniform(0.2, wall))
+    else:  # while it trains: from its first line, printed just before
+        head = job.stdout.readline()
+        while head and "training samples split" not in head:
+            head = job.stdout.readline()
+        time.sleep(rng.uniform(0, 1.2 * training))
     signum, one = rng.choice(SIGNALS), rng.random() < 0.5
     pids = rank_processes(job.pid)
     targets = [rng.choice(pids)] if one and pids else pids
@@ -99,7 +107,7 @@ def trial(nprocs, directory, reference, wall, rng, report):
     elif status is None:
         verdict = "WRONG"
     else:
-        if status == STOPPED:
+        if status == STOPPED and training_now:
             report["latency"] = max(report["latency"], latency)
         rerun, again = finish(launch(nprocs, checkpoint))
         ok = rerun == 0 and digest_of(again) == reference
@@ -124,14 +132,15 @@ def main():
         start = time.perf_counter()
         status, out = finish(launch(nprocs, []))
         reference, wall = digest_of(out), time.perf_counter() - start
+        training = float(re.search(r"training time ([\d.]+) s", out).group(1))
         if status != 0 or reference is None:
             print(f"the reference run failed at {nprocs} rank(s) (exit {status}):\n{out}")
             return 1
         report = {"resumed": 0, "finished": 0, "error": 0, "WRONG": 0, "latency": 0.0,
                   "checkpoints": []}
         for k in range(options.trials):
-            trial(nprocs, os.path.join(options.dir, f"{nprocs}-{k}"), reference, wall, rng,
-                  report)
+            trial(nprocs, os.path.join(options.dir, f"{nprocs}-{k}"), reference, wall, training,
+                  rng, report)
         sizes = sorted({kib for kib, _ in report["checkpoints"]})
         times = [ms for _, ms in report["checkpoints"]]
         print(f"RESULT launched ranks={nprocs} "
