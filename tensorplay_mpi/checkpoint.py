@@ -246,7 +246,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
 
     Parameters
     ----------
-    directory : path
+    directory : str or os.PathLike
         The checkpoint directory, on a file system every rank sees.
     params, buffers : sequences of arrays
         NumPy or CuPy arrays; rank 0's are saved.

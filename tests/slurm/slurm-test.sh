@@ -43,8 +43,12 @@ host=$(hostname -s)
 node="$(slurmd -C | head -n 1) Gres=gpu:2"
 mkdir -p "$work/state" "$work/spool"
 printf "Name=gpu File=/dev/null\nName=gpu File=/dev/zero\n" > "$work/gres.conf"  # stand-ins
+# FirstJobId: job ids unlike those of earlier runs of this script.  With ids from 1 each time,
+# steps here failed in MPI_Init ("Message truncated") after a step of the same job id had been
+# killed in an earlier run (MPICH leaves shared-memory segments in /dev/shm when killed).
 cat > "$SLURM_CONF" <<CONF
 ClusterName=tensorplay
+FirstJobId=$((RANDOM * 1000 + 1000))
 SlurmctldHost=$host
 SlurmUser=root
 AuthType=auth/munge
@@ -107,7 +111,9 @@ ended() { case $(state "$1") in COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT
 loop=$work/train-stop.out
 jid=$(CHECKPOINT=$work/checkpoint-stop sbatch --parsable --output="$loop" "${site[@]}" \
   --ntasks-per-node=2 slurm/train.sbatch) || fail "sbatch train.sbatch (stop loop) failed"
-wait_for 120 grep -q "training samples split" "$loop" || fail "the job never started: $(cat "$loop")"
+started() { grep -q "training samples split" "$loop" || ended "$1"; }
+wait_for 120 started "$jid" && grep -q "training samples split" "$loop" \
+  || fail "the job did not start training: $(cat "$loop")"
 scancel --batch --signal=USR1 "$jid"
 wait_for 60 grep -q "requeueing job $jid" "$loop" || fail "no stop and requeue: $(cat "$loop")"
 wait_for 30 test "$(state "$jid")" = PENDING || fail "job $jid was not requeued: $(state "$jid")"
