@@ -6,9 +6,11 @@ other ranks waiting in their next collective until the launcher's time limit, an
 ``MPI_Abort``; for programs started without it, the first Join or library joinable installs an
 excepthook and a ``sys.exit`` that do the same (``TENSORPLAY_MPI_EXCEPTHOOK=0`` keeps Python's
 own).  Python tells no exit hook the status of an uncaught ``SystemExit``, so the library sees
-the status of the latest ``sys.exit`` call; a ``raise SystemExit(status)`` of your own is not
-seen (``python -m mpi4py`` sees it), and a ``sys.exit`` that was caught is forgotten at the next
-Join.
+the status of the latest ``sys.exit`` call of the main thread; a ``raise SystemExit(status)``
+of your own is not seen (``python -m mpi4py`` sees it), and a ``sys.exit`` that was caught is
+forgotten at the next Join or joinable; one caught after the last of them still ends the job
+with its status (``python -m mpi4py``, or ``TENSORPLAY_MPI_EXCEPTHOOK=0``, if your program
+catches ``sys.exit`` and goes on).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 import time
 from types import TracebackType
 
@@ -83,7 +86,8 @@ def install_excepthook() -> None:
 
     def recording_exit(status: str | int | None = None) -> None:
         global _exit_status
-        _exit_status = 0 if status is None else status if isinstance(status, int) else 1
+        if threading.current_thread() is threading.main_thread():  # elsewhere it ends a thread
+            _exit_status = 0 if status is None else status if isinstance(status, int) else 1
         exit_(status)
 
     sys.excepthook = abort_on_uncaught

@@ -27,10 +27,17 @@ def request_stop(reason: str = "request_stop()") -> None:
     """Ask for a coordinated stop from this rank (the first request's reason is kept).
 
     Local: it only sets a flag, so it is safe anywhere, signal handlers included.
+
+    Raises
+    ------
+    TypeError
+        If `reason` is not a string.
     """
     global _request
+    if not isinstance(reason, str):
+        raise TypeError(f"reason must be a string, got {type(reason).__name__}")
     if _request is None:
-        _request = str(reason)
+        _request = reason
 
 
 def stop_requested() -> str | None:
@@ -45,8 +52,8 @@ def clear_stop() -> None:
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
-    if signum == signal.SIGINT and _request == signal.SIGINT.name:
-        raise KeyboardInterrupt  # Ctrl-C twice: stop now, as Python would the first time
+    if signum == signal.SIGINT and _request is not None:
+        raise KeyboardInterrupt  # Ctrl-C while a stop is pending: stop now, as Python would
     request_stop(signal.Signals(signum).name)
 
 
@@ -56,8 +63,8 @@ def stop_on_signals(signals: Iterable[int] = STOP_SIGNALS) -> Iterator[None]:
 
     Inside the block each of `signals` only calls :func:`request_stop` with the signal's name
     (``"SIGTERM"``, ...): the enabled Joins of this process then stop every rank together.  A
-    second SIGINT while the first is pending raises ``KeyboardInterrupt`` as usual (press
-    Ctrl-C twice to stop at once: an exception, so the job ends through the failure path).
+    SIGINT while a stop is pending (Ctrl-C twice, or after a SIGTERM) raises
+    ``KeyboardInterrupt`` as usual: an exception, so the job ends through the failure path.
 
     Parameters
     ----------

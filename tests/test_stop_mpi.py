@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from tensorplay_mpi import (SGD, DataParallel, Join, clear_stop, request_stop, s
                             stop_requested)
 from tensorplay_mpi.comm import outstanding_requests
 from tensorplay_mpi.guard import Guard
+from tensorplay_mpi.settings import settings
 
 
 @pytest.fixture(autouse=True)
@@ -62,6 +64,8 @@ def test_a_stop_on_one_rank_stops_every_rank_after_the_same_iteration(comm, how)
     assert_all(reason == expected, f"stop_reason {reason!r} != {expected!r}")
     assert_all(gathered_equal(params, comm), "parameters differ between ranks")
     assert_all(outstanding_requests() == 0, "operations pending after a stop")
+    clear_stop()
+    assert_all(join.stop_reason == reason, "stop_reason changed with clear_stop()")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -110,6 +114,27 @@ def test_a_disabled_join_never_stops(comm):
         with dp.step():
             dp.grads[0][...] = 1.0
     assert_all(not join.stopped, "a disabled Join reported a stop")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_stall_report_leaves_nothing_pending(comm, monkeypatch, capfd):
+    monkeypatch.setenv("TENSORPLAY_MPI_STALL", "0.3")
+    settings.cache_clear()
+    try:
+        params = [np.zeros(2)]
+        dp = DataParallel(params, comm=comm)
+        with Join([dp]):
+            for i in range(3 + comm.rank):
+                if comm.rank == 1 and i == 1:
+                    time.sleep(1.5)  # the others wait in their step: one report each
+                with dp.step():
+                    dp.grads[0][...] = i
+    finally:
+        monkeypatch.delenv("TENSORPLAY_MPI_STALL")
+        settings.cache_clear()
+    reported = "has waited" in capfd.readouterr().err
+    assert_all(comm.rank == 1 or reported, "no stall report")
+    assert_all(outstanding_requests() == 0, "the stall report left operations pending")
 
 
 @pytest.mark.mpi

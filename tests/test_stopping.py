@@ -34,6 +34,18 @@ def test_ctrl_c_twice_raises_keyboard_interrupt():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_ctrl_c_after_another_stop_signal_raises_keyboard_interrupt():
+    with pytest.raises(KeyboardInterrupt), stop_on_signals():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_reason_must_be_a_string():
+    with pytest.raises(TypeError, match="reason must be a string"):
+        request_stop(None)
+    assert stop_requested() is None
+
+
 def test_a_request_by_call_is_kept_until_cleared():
     assert stop_requested() is None
     request_stop("time limit near")

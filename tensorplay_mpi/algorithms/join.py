@@ -29,6 +29,7 @@ from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
 from ..guard import Guard
+from ..settings import settings
 from ..stopping import stop_requested
 from ..threads import limit_threads
 from ..work import complete_pending
@@ -83,6 +84,7 @@ class Joinable(ABC):
     def __init__(self) -> None:
         super().__init__()
         self._bound_join: Join | None = None
+        self._made_join: Join | None = None  # the latest Join made with it, until entered
 
     @abstractmethod
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -125,6 +127,19 @@ def _bound_join(joinable: Joinable) -> "Join | None":
             f"{name} does not call the Joinable constructor: add super().__init__() "
             f"(or Joinable.__init__(self)) to {name}.__init__"
         ) from None
+
+
+def _check_not_forgotten(joinable: Joinable) -> None:
+    """Raise if a Join was made with `joinable` and never entered: its iterations would run
+    without the protocol (uneven inputs hang), silently."""
+    made = joinable._made_join
+    if made is not None and made._enable:
+        joinable._made_join = None  # said once
+        name = type(joinable).__name__
+        raise RuntimeError(
+            f"a Join was made with this {name} but never entered, so its iterations run "
+            f"outside any Join: use the Join as a context manager, `with Join([...]):` "
+            f"(a bare Join(...) or dp.join() call does nothing)")
 
 
 class Join:
@@ -261,8 +276,11 @@ class Join:
         self._guard: Guard | None = None
         self._iterations = 0  # heartbeats sent
         self._stops = 0  # the most ranks any completed heartbeat or poll said asked to stop
+        self._asked: str | None = None  # this rank's request, once a heartbeat or poll sent it
         self._entered = False
         self._joining = False
+        for joinable in self._joinables:
+            joinable._made_join = self
 
     def _check_joinables(self) -> None:
         if not self._joinables:
@@ -294,10 +312,12 @@ class Join:
                     "two Joins cannot share a joinable"
                 )
         self._entered = True
+        settings()  # a bad environment value raises here, before anything starts
         self._guard = Guard.attach(self._comm)
         limit_threads(self._comm)
         for joinable in self._joinables:
             joinable._bound_join = self
+            joinable._made_join = None
         return self
 
     # -- the public view joinables read -----------------------------------------------------
@@ -348,8 +368,9 @@ class Join:
         ...) or how many other ranks asked; else ``None``."""
         if not self.stopped:
             return None
-        own = stop_requested()
-        return own if own is not None else f"a stop requested by {self._stops} other rank(s)"
+        if self._asked is not None:
+            return self._asked
+        return f"a stop requested by {self._stops} other rank(s)"
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
@@ -370,6 +391,7 @@ class Join:
                 joinable._bound_join = None
             if self._guard is not None:
                 self._guard.forget_settled()  # the exception, its frames and their objects
+                self._guard.drain()  # stall questions that came while this rank computed
 
     def _settle(self, error: BaseException) -> None:
         """The failure path: agree with every rank; when every rank failed on its own, complete
@@ -401,9 +423,15 @@ class Join:
             In throw mode, when some rank has run out of inputs.
         TypeError
             If `joinable` skipped ``Joinable.__init__``.
+        RuntimeError
+            Outside a Join, if the latest Join made with `joinable` was never entered (a
+            ``Join([...])`` or ``dp.join()`` written without ``with``).
         """
         join = _bound_join(joinable)
-        if join is None or join._joinables[0] is not joinable:
+        if join is None:
+            _check_not_forgotten(joinable)
+            return None
+        if join._joinables[0] is not joinable:
             return None
         if not join._enable or join._joining:
             return None
@@ -414,7 +442,7 @@ class Join:
         self._heartbeats = [w for w in self._heartbeats if not w.is_completed()]
         self._iterations += 1
         recv = np.empty(1, dtype=np.int64)
-        work = iallreduce(self._comm, _HEARTBEAT[stop_requested() is not None], recv, MPI.SUM,
+        work = iallreduce(self._comm, _HEARTBEAT[self._asks_to_stop()], recv, MPI.SUM,
                           f"heartbeat (iteration {self._iterations})", finish=self._read_count)
         self._heartbeats.append(work)
         if self._throw_on_early_termination and self._sum_over_ranks(
@@ -423,6 +451,11 @@ class Join:
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks."
             )
         return work
+
+    def _asks_to_stop(self) -> bool:
+        """Whether this rank's next heartbeat or poll carries a stop request (noting why)."""
+        self._asked = self._asked or stop_requested()
+        return self._asked is not None
 
     def _read_count(self, buf: np.ndarray) -> int:
         """The number of active ranks in a heartbeat's or poll's sum; notes the stop requests."""
@@ -461,7 +494,7 @@ class Join:
                     "degradation.",
                     stacklevel=3,
                 )
-            stop = _STOP if stop_requested() is not None else 0
+            stop = _STOP if self._asks_to_stop() else 0
             if self._read_count(self._sum_over_ranks(
                     stop, f"poll (round {rounds + 1} after joining)")) == 0:
                 break
