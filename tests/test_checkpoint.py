@@ -152,3 +152,18 @@ def test_arguments_are_checked(tmp_path):
     with pytest.raises(TypeError, match=r"cannot save hyperparameter lr = \[0.1\]"):
         checkpoint.save(tmp_path, ps, optimizer=opt, comm=SELF)
     assert not (tmp_path / checkpoint.MANIFEST).exists()
+
+
+def test_device_arrays_go_through_host_copies(tmp_path):
+    from fake_device import Counters, on_device
+
+    ps = [on_device(p) for p in params()]
+    Counters.reset()
+    checkpoint.save(tmp_path, ps, buffers=[on_device(np.arange(3.0))], comm=SELF)
+    assert Counters.d2h == 4  # every array copied to the host, none read as device memory
+    fresh, buffers = [on_device(np.zeros_like(p)) for p in params()], [on_device(np.zeros(3))]
+    Counters.reset()
+    checkpoint.load(tmp_path, fresh, buffers=buffers, comm=SELF)
+    assert Counters.h2d == 4
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(ps, fresh))
+    assert buffers[0].tolist() == [0.0, 1.0, 2.0]
