@@ -164,7 +164,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # from the start: a signal during the set-up stops the first iteration
+    # from the start: a signal during the set-up rides in the first heartbeat
     with stop_on_signals() if args.checkpoint else contextlib.nullcontext():
         return run(args, MPI.COMM_WORLD)
 
