@@ -19,7 +19,7 @@ CORE_TESTS   := tests/test_join_mpi.py tests/test_data_parallel_mpi.py \
                 tests/test_data_parallel_misuse_mpi.py tests/test_joinable_comm_mpi.py \
                 tests/test_zero_mpi.py
 
-.PHONY: help venv test test-serial test-mpi test-8 soak-32 test-noshm test-openmpi docs slurm-test demo \
+.PHONY: help venv test test-serial test-mpi test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
         lint bench bench-threads gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
@@ -79,6 +79,21 @@ test-noshm: venv  ## the MPI tests at 2-4 ranks with shared memory off (the netw
 test-openmpi:  ## the MPI tests against Open MPI (a second venv, .venv-ompi)
 	$(MAKE) test-mpi VENV=.venv-ompi EXTRAS=openmpi,test,examples \
 	  MPIEXEC=".venv-ompi/bin/mpiexec --oversubscribe"
+
+# Random-signal trials of the demo's stop and resume (docs/stopping.md), at each of $(RANKS)
+# ranks: STOP_TRIALS trials in one job (a real signal to one rank or all at a random moment, then
+# a fresh run resumes from the checkpoint), then STOP_LAUNCHES real jobs signalled and run again.
+# Prints the outcomes per rank count; fails on a wrong digest or a hang. About 5 minutes here.
+STOP_TRIALS   ?= 20
+STOP_LAUNCHES ?= 2
+stop-trials: venv  ## random-signal stop and resume trials of the demo (make test's ranks)
+	@dir=$$(mktemp -d); trap 'rm -rf "$$dir"' EXIT; \
+	for n in $(RANKS); do \
+	  timeout -k 10 300 $(MPIEXEC) -n $$n $(PY) -m mpi4py tests/programs/stop_trials.py \
+	    --trials $(STOP_TRIALS) --dir "$$dir/in-job-$$n" || exit 1; \
+	done; \
+	MPIEXEC="$(MPIEXEC)" timeout -k 10 600 $(PY) tests/programs/stop_launches.py \
+	  --ranks $(RANKS) --trials $(STOP_LAUNCHES) --dir "$$dir/jobs"
 
 # The documentation site, warnings as errors (its examples run in tests/test_docs.py).
 docs: venv  ## the documentation site in docs/_build/html, warnings as errors

@@ -1,6 +1,6 @@
 """tensorplay_mpi: uneven inputs on MPI without hangs (the Join API over mpi4py)."""
 
-from . import comm, data, optim
+from . import checkpoint, comm, data, optim
 from .algorithms.join import Join, Joinable, JoinHook
 from .comm import Work
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, EarlyTerminationError,
@@ -17,5 +17,5 @@ __all__ = [
     "SGD", "Adam", "AdamW", "ZeroRedundancyOptimizer",
     "CollectiveMismatchError", "CollectiveTimeoutError", "EarlyTerminationError",
     "PeerFailureError", "stop_on_signals", "request_stop", "stop_requested", "clear_stop",
-    "comm", "data", "optim", "__version__",
+    "checkpoint", "comm", "data", "optim", "__version__",
 ]

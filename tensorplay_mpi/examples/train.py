@@ -13,12 +13,21 @@ the gradients (overlapping the reduction with the backward pass through ``mark_r
 a ``Join``, which lets ranks that run out of batches shadow the others.  With ``--device cuda``
 the model and the batches live on a GPU (CuPy, the ``cuda`` extra), each rank taking GPU
 ``node-local rank % GPUs visible``.
+
+With ``--checkpoint DIR`` the job can be stopped and resumed: SIGTERM, SIGUSR1 or SIGINT on any
+rank (as ``srun``, ``scancel`` and Slurm's time limit deliver them) stops every rank at one
+iteration boundary; the job writes a checkpoint to DIR and exits with status 75 (EX_TEMPFAIL:
+stopped, run it again).  The same command then resumes where it stopped and ends with the
+digest of a run never stopped.  A completed run also leaves a checkpoint, so running it again
+only prints the result.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import math
 import sys
 import time
 from types import ModuleType
@@ -27,8 +36,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import DataParallel, Join
+from tensorplay_mpi import DataParallel, Join, checkpoint, stop_on_signals
 from tensorplay_mpi.data import batches, shard, shard_sizes
+
+STOPPED = 75
+"""The exit status of a stopped job (EX_TEMPFAIL of sysexits.h): its checkpoint is written,
+running the same command resumes it."""
 
 
 MISSING_SKLEARN = ("the demo needs scikit-learn for its data set (the digits, bundled with it): "
@@ -128,7 +141,7 @@ def params_digest(params: list[Any]) -> str:
     return digest.hexdigest()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Data-parallel MLP on uneven shards.")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
@@ -143,9 +156,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="exit 1 when the held-out accuracy is lower")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: CuPy arrays on GPU (node-local rank %% GPUs visible)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="resume from the checkpoint in DIR if there is one; on SIGTERM, "
+                             f"SIGUSR1 or SIGINT stop, write it and exit with status {STOPPED}")
+    return parser.parse_args(argv)
 
-    comm = MPI.COMM_WORLD
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # from the start: a signal during the set-up rides in the first heartbeat
+    with stop_on_signals() if args.checkpoint else contextlib.nullcontext():
+        return run(args, MPI.COMM_WORLD)
+
+
+def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
+    """Train, report; the exit status (0, 1, or :data:`STOPPED`)."""
     try:
         (x_train, y_train), (x_test, y_test) = load_digits_split(args.seed)
     except ImportError:
@@ -154,36 +179,70 @@ def main(argv: list[str] | None = None) -> int:
     mine = shard(len(y_train), comm.rank, comm.size, args.skew)
     params = [xp.asarray(p) for p in init_mlp(x_train.shape[1], args.hidden, 10, args.seed)]
     dp = DataParallel(params, comm=comm)
+    sizes = shard_sizes(len(y_train), comm.size, args.skew)
     if comm.rank == 0:
-        sizes = shard_sizes(len(y_train), comm.size, args.skew)
         print(f"{comm.size} ranks, {len(y_train)} training samples split {sizes}, "
               f"{len(y_test)} held out; averaging over the {args.divide} size"
               + (f"; on {dp.join_device}" if args.device == "cuda" else ""), flush=True)
+    per_epoch = math.ceil(max(sizes) / args.batch_size)  # iterations: the longest shard's
+    first, skip, carried = 1, 0, np.zeros(3)
+    resumed = checkpoint.load(args.checkpoint, params, comm=comm) if args.checkpoint else None
+    if resumed is not None:
+        first, skip = resumed.epoch, resumed.cursor
+        carried = resumed.extra["totals"] if comm.rank == 0 else carried
+        if comm.rank == 0:
+            where = ("training was complete" if first > args.epochs else
+                     f"epoch {first}, step {resumed.step} (batches done by rank: "
+                     f"{list(resumed.cursors)})")
+            print(f"resumed from {resumed.path}: {where}", flush=True)
 
     start = time.perf_counter()
-    for epoch in range(1, args.epochs + 1):
-        rng = np.random.default_rng([args.seed, epoch, comm.rank])
-        totals = np.zeros(3)  # loss sum, correct, samples
-        with Join([dp], divide_by_initial_world_size=args.divide == "world"):
-            for idx in batches(mine, args.batch_size, rng):
+    for epoch in range(first, args.epochs + 1):
+        rng = np.random.default_rng([args.seed, epoch, comm.rank])  # order: f(seed, epoch)
+        done = skip if epoch == first else 0  # batches of this epoch consumed: the cursor
+        totals = carried.copy() if epoch == first else np.zeros(3)  # loss, correct, samples
+        with Join([dp], divide_by_initial_world_size=args.divide == "world") as join:
+            for idx in batches(mine, args.batch_size, rng)[done:]:
+                if join.stopped:  # every rank leaves at this same iteration
+                    break
                 with dp.step():
                     x, y = xp.asarray(x_train[idx]), xp.asarray(y_train[idx])
                     loss, correct = backward(params, x, y, dp)
                 for p, g in zip(params, dp.grads):
                     p -= args.lr * g
                 totals += (loss, correct, len(idx))
-        loss, correct, samples = comm.allreduce(totals)  # outside the Join: plain MPI is fine
+                done += 1
+        totals = comm.allreduce(totals)  # outside the Join: plain MPI is fine
+        if join.stopped:
+            step = (epoch - 1) * per_epoch + comm.allreduce(done, op=MPI.MAX)
+            saved = checkpoint.save(args.checkpoint, params, step=step, epoch=epoch,
+                                    cursor=done, extra={"totals": totals}, comm=comm)
+            if comm.rank == 0:
+                print(f"stopped by {join.stop_reason} at epoch {epoch}, step {step}; checkpoint "
+                      f"{saved.path} written ({saved.nbytes / 1024:.0f} KiB in "
+                      f"{saved.seconds * 1e3:.1f} ms); run the same command to resume",
+                      flush=True)
+            return STOPPED
+        loss, correct, samples = totals
         if comm.rank == 0:
             progress(epoch, args.epochs, f"loss {loss / samples:.4f}  "
                                          f"train accuracy {correct / samples:.4f}")
+    if args.checkpoint and first <= args.epochs:  # so that running it again only reports
+        checkpoint.save(args.checkpoint, params, step=args.epochs * per_epoch,
+                        epoch=args.epochs + 1, extra={"totals": np.zeros(3)}, comm=comm)
     elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    return report(args, params, comm, forward(params, xp.asarray(x_test))[1].argmax(axis=1)
+                  == xp.asarray(y_test), elapsed)
 
-    predicted = forward(params, xp.asarray(x_test))[1].argmax(axis=1)
-    accuracy = float((predicted == xp.asarray(y_test)).mean())
+
+def report(args: argparse.Namespace, params: list[Any], comm: MPI.Intracomm, hits: Any,
+           elapsed: float) -> int:
+    """Print accuracy, time and digest on rank 0; 0 if all is well, else 1."""
+    accuracy = float(hits.mean())
     digests = comm.allgather(params_digest(params))
     identical = len(set(digests)) == 1
     if comm.rank == 0:
-        print(f"held-out accuracy {accuracy:.4f} ({len(y_test)} samples)")
+        print(f"held-out accuracy {accuracy:.4f} ({hits.size} samples)")
         print(f"training time {elapsed:.2f} s for {args.epochs} epochs on {comm.size} ranks")
         print(f"parameters identical on all {comm.size} ranks: {'yes' if identical else 'NO'} "
               f"(digest {digests[0]})")
@@ -198,4 +257,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == STOPPED:  # exit with it: under python -m mpi4py a nonzero exit would abort,
+        MPI.Finalize()     # which srun reports as "Killed" (137)
+    sys.exit(status)
