@@ -9,6 +9,7 @@ variable                        meaning                                  default
 ``TENSORPLAY_MPI_CUDA_AWARE``   device pointers to MPI: auto, 0 or 1     ``auto``
 ``TENSORPLAY_MPI_EXCEPTHOOK``   abort the job on an uncaught exception   ``1``
 ``TENSORPLAY_MPI_THREADS``      BLAS threads per rank: keep or a number  automatic
+``TENSORPLAY_MPI_FUSED``        fused optimizer steps: auto, 0 or 1      ``auto``
 ==============================  =======================================  =========
 
 Booleans accept ``1/true/yes/on`` and ``0/false/no/off`` (any case).  A value that is none of
@@ -40,6 +41,8 @@ class Settings:
     excepthook: bool = True
     threads: int | str = "auto"
     """``"auto"``, ``"keep"``, or a number of threads per rank."""
+    fused: str = "auto"
+    """``"auto"`` (numba's kernels when it is installed), ``"0"`` (NumPy) or ``"1"`` (numba's)."""
 
 
 def positive_seconds(value: object, name: str) -> float:
@@ -119,4 +122,5 @@ def settings() -> Settings:
         cuda_aware=_choice("TENSORPLAY_MPI_CUDA_AWARE", Settings.cuda_aware, ("auto", "0", "1")),
         excepthook=_flag("TENSORPLAY_MPI_EXCEPTHOOK", Settings.excepthook),
         threads=threads_setting(os.environ.get("TENSORPLAY_MPI_THREADS")),
+        fused=_choice("TENSORPLAY_MPI_FUSED", Settings.fused, ("auto", "0", "1")),
     )
