@@ -27,12 +27,18 @@ __all__ = ["DTYPES", "adam", "fits", "sgd", "warm_up"]
 
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 """The dtypes the kernels are compiled for."""
+_DTYPES = frozenset(DTYPES)
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
+# Scalars arrive as Python floats (float64: the cheapest to pass) and are rounded to the
+# array's dtype here, as NumPy rounds a Python float operand of a float32 ufunc.
+
 @_jit
 def _sgd(p, g, buf, lr, momentum, weight_decay, use_buf, nesterov):  # pragma: no cover
+    t = p.dtype.type
+    lr, momentum, weight_decay = t(lr), t(momentum), t(weight_decay)
     for i in range(p.size):
         d = g[i]
         if weight_decay != 0:
@@ -47,6 +53,9 @@ def _sgd(p, g, buf, lr, momentum, weight_decay, use_buf, nesterov):  # pragma: n
 @_jit
 def _adam(p, g, m, v, beta1, c1, beta2, c2, l2, decay, step_size,
           eps_hat):  # pragma: no cover
+    t = p.dtype.type
+    beta1, c1, beta2, c2, l2 = t(beta1), t(c1), t(beta2), t(c2), t(l2)
+    decay, step_size, eps_hat = t(decay), t(step_size), t(eps_hat)
     for i in range(p.size):
         pi = p[i]
         if decay != 1:
@@ -63,27 +72,31 @@ def _adam(p, g, m, v, beta1, c1, beta2, c2, l2, decay, step_size,
 
 def sgd(p: np.ndarray, g: np.ndarray, buf: np.ndarray | None, lr: float, momentum: float,
         weight_decay: float, nesterov: bool) -> None:
-    """:func:`tensorplay_mpi.optim.rules.sgd` in one pass (arrays as :func:`fits` accepts)."""
-    t = p.dtype.type
-    _sgd(p, g, p[:0] if buf is None else buf, t(lr), t(momentum), t(weight_decay),
-         buf is not None, bool(nesterov))
+    """:func:`tensorplay_mpi.optim.rules.sgd` in one pass (arrays as :func:`fits` accepts,
+    scalars Python floats)."""
+    _sgd(p, g, p[:0] if buf is None else buf, lr, momentum, weight_decay, buf is not None,
+         bool(nesterov))
 
 
 def adam(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, beta1: float,
          beta2: float, l2: float, decay: float, step_size: float, eps_hat: float) -> None:
     """:func:`tensorplay_mpi.optim.rules.adam` in one pass, bias corrections folded in."""
-    t = p.dtype.type
-    _adam(p, g, m, v, t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(l2), t(decay),
-          t(step_size), t(eps_hat))
+    _adam(p, g, m, v, beta1, 1.0 - beta1, beta2, 1.0 - beta2, l2, decay, step_size, eps_hat)
 
 
 def fits(*arrays: Any) -> bool:
     """Whether the kernels take `arrays`: NumPy, one dtype of :data:`DTYPES`, C-contiguous and
     writable (the types :func:`warm_up` compiles for: nothing compiles in a step)."""
     dtype = arrays[0].dtype
-    return dtype in DTYPES and all(
-        type(a) is np.ndarray and a.dtype == dtype and a.flags.c_contiguous
-        and a.flags.writeable for a in arrays)
+    if dtype not in _DTYPES:
+        return False
+    for a in arrays:
+        if type(a) is not np.ndarray or a.dtype != dtype:
+            return False
+        flags = a.flags
+        if not (flags.c_contiguous and flags.writeable):
+            return False
+    return True
 
 
 def warm_up(dtypes: Any) -> None:
