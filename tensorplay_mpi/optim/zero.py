@@ -83,8 +83,9 @@ class ZeroRedundancyOptimizer(CommJoinable):
     """Optimizer whose state is sharded over the ranks of `comm`.
 
     Collective over `comm`: every rank constructs it with the same parameter shapes, dtypes
-    and order, the same optimizer class and hyperparameters (checked: ``ValueError`` on every
-    rank otherwise), and calls :meth:`step` in the same iterations.
+    and order, the same parameters sharing memory (:func:`ties`), the same optimizer class and
+    hyperparameters (checked: ``ValueError`` on every rank otherwise), and calls :meth:`step`
+    in the same iterations.
 
     Parameters
     ----------
