@@ -141,8 +141,8 @@ def main() -> None:
     if costs is None:
         print("numba is not installed: the NumPy rules only", flush=True)
     else:
-        print(f"fused kernels (float32): compile {costs['compile_s']:.2f} CPU s with a fresh cache, "
-              f"load {costs['load_from_cache_s'] * 1e3:.0f} CPU ms from the cache (paid at "
+        print(f"fused kernels (float32): compile {costs['compile_s']:.2f} CPU s with a fresh "
+              f"cache, load {costs['load_from_cache_s'] * 1e3:.0f} CPU ms from the cache (paid at "
               "optimizer construction, once per dtype and process)", flush=True)
     steps = {
         "adam": Adam(params, grads, lr=1e-4).step,
