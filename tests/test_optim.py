@@ -1,6 +1,7 @@
 """Local optimizers against the textbook formulas, their state dicts, and the ZeRO partition."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -425,3 +426,16 @@ def test_a_bad_fused_setting_is_a_value_error(fused_setting):
     fused_setting("sometimes")
     with pytest.raises(ValueError, match="TENSORPLAY_MPI_FUSED must be one of auto, 0, 1"):
         SGD([np.ones(2)], [np.ones(2)], lr=0.1)
+
+
+def test_the_fused_steps_start_no_threads(fused_setting):
+    pytest.importorskip("numba")
+    from numba.np.ufunc import parallel
+    fused_setting("1")
+    params = [np.ones(100_000, np.float32), np.ones(10)]
+    opt = AdamW(params, [np.ones_like(p) for p in params])  # compiles (LLVM may add a thread)
+    before = os.listdir("/proc/self/task")
+    for _ in range(3):
+        opt.step()
+    assert os.listdir("/proc/self/task") == before and np.all(params[0] < 1)
+    assert not parallel._is_initialized  # numba's thread pool never started
