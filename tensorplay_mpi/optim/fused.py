@@ -11,8 +11,9 @@ The kernels are compiled on first use for each dtype (about a second per kernel 
 cached on disk by numba (``cache=True``: next to this file, or in numba's user cache directory
 when that is not writable), so later processes load them in milliseconds.  The optimizers
 compile theirs at construction (:func:`warm_up`), so that cost never lands in a training step.
-They run on the calling thread only: they start no threads, whatever the thread limit of
-:mod:`tensorplay_mpi.threads` (one thread per rank already meets the memory-traffic floor).
+They run on the calling thread only and never use numba's thread pool, so they stay within
+the thread limit of :mod:`tensorplay_mpi.threads` (one thread per rank already meets the
+memory-traffic floor).
 Importing this module imports numba: :func:`tensorplay_mpi.optim.rules.fused` decides whether.
 """
 
