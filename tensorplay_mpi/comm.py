@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from .buffers import Staging
+from .buffers import Staging, misordered
 from .guard import Guard
 from .ops import OPS, op_name
 from .settings import positive_seconds, settings
@@ -87,12 +87,20 @@ def check_comm(comm: Any, name: str = "comm") -> MPI.Intracomm:
 
 
 def _check_buffer(buf: Any, name: str, what: str) -> None:
-    if type(buf) is np.ndarray or buf is MPI.IN_PLACE:  # the common case, without look-ups
-        return
+    """Refuse what MPI would misread: a non-array, or an array not in C order (MPI reads and
+    writes memory in order: a Fortran-ordered array would be scrambled, a strided one refused
+    only after other ranks have started the operation)."""
+    if type(buf) is np.ndarray and buf.flags.c_contiguous or buf is MPI.IN_PLACE:
+        return  # the common case, without look-ups
     if not hasattr(buf, "__array_interface__") and not hasattr(buf, "__cuda_array_interface__") \
             and not isinstance(buf, memoryview):
         raise TypeError(f"{what}: {name} must be an array (NumPy or CuPy), got "
                         f"{type(buf).__name__}; convert it with numpy.asarray")
+    layout = misordered(buf)
+    if layout is not None:
+        raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()}: {what}: {name} must be "
+                         f"C-contiguous, got a {layout} array; pass numpy.ascontiguousarray of "
+                         "it (and copy a received result back)")
 
 
 def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Request],
@@ -104,6 +112,7 @@ def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Reques
     The Work's result is `value`, or ``finish(value)``; staged buffers are copied back first.
     Host buffers (nothing staged, no `finish`) need no completion callback at all.
     """
+    settings()  # a bad environment value raises here, before the operation starts
     guard = Guard.of(comm)
     if guard is not None:
         guard.before_collective(kind, what, signature)
@@ -191,6 +200,7 @@ def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[in
 
 def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send") -> Work:
     """Start a point-to-point ``MPI_Isend`` of `buf` to `dest`."""
+    _check_buffer(buf, "buf", what)
     staging = Staging()
     return _start(comm, what, "send", comm.Isend, (staging.read(buf), dest, tag), (buf,), None,
                   staging)
@@ -198,6 +208,7 @@ def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send"
 
 def irecv(comm: MPI.Intracomm, buf: Any, source: int, tag: int, what: str = "recv") -> Work:
     """Start a point-to-point ``MPI_Irecv`` into `buf` from `source`; the result is `buf`."""
+    _check_buffer(buf, "buf", what)
     staging = Staging()
     return _start(comm, what, "recv", comm.Irecv, (staging.write(buf), source, tag), (buf,),
                   buf, staging)
