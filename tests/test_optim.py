@@ -10,7 +10,7 @@ from textbook import HYPER, optimizer, step
 
 from tensorplay_mpi import DataParallel, Join
 from tensorplay_mpi.optim import SGD, Adam, AdamW, clip_grad_norm, rules
-from tensorplay_mpi.optim.zero import partition, ties
+from tensorplay_mpi.optim.zero import partition
 
 STEPS = 4
 
@@ -136,13 +136,6 @@ def test_partition_is_deterministic_and_balanced():
     assert sum(loads) == sum(sizes) and max(loads) - min(loads) <= max(sizes)
     assert loads == [1000, 1000, 1000]
     assert partition([5, 5], 4) == [0, 1]  # more ranks than parameters: some own nothing
-
-
-def test_ties_name_the_first_param_of_each_group_sharing_memory():
-    a, buf, other = np.ones(3), np.ones(10), np.ones(4)
-    params = [buf[6:], a, buf[:4], other[:0], a, buf[3:7], other, np.ones(())]
-    assert ties(params) == [0, 1, 0, 3, 1, 0, 6, 7]  # zero-size: tied to nothing
-    assert ties([buf[:5], buf[5:]]) == [0, 1]  # adjacent, not overlapping
 
 
 # -- scalar (0-d) parameters ----------------------------------------------------------------------

@@ -7,14 +7,12 @@ the others: one ``Ibcast`` per owner, however many parameters); larger ones are 
 in place, one ``Ibcast`` each, no copy (at most one per :data:`DIRECT_BYTES` of the model).
 All are started before any is waited.
 
-Parameters that share memory (the same array listed twice, overlapping views of one buffer)
-are tied: a tie goes to one owner, which steps its members in list order as a local optimizer
-does, and travels packed, so no two broadcasts ever write the same bytes.
+Parameters that share memory (the same array listed twice, views of one buffer) are refused
+on every rank, as the local optimizers refuse them: two broadcasts would write the same bytes.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Sequence
 
 import numpy as np
@@ -22,18 +20,18 @@ from mpi4py import MPI
 
 from ..algorithms.comm_joinable import CommJoinable
 from ..algorithms.join import Join, JoinHook
-from ..buffers import device_of, zeros_like
+from ..buffers import check_disjoint, device_of, zeros_like
 from ..comm import Work, ibcast, irecv, isend
 from ..parallel.buckets import GradientViews
 from .clip import clip_grad_norm
 from .local import Adam, Optimizer, comm_of_grads, is_writeable, check_params
 
-__all__ = ["DIRECT_BYTES", "ZeroRedundancyOptimizer", "partition", "ties"]
+__all__ = ["DIRECT_BYTES", "ZeroRedundancyOptimizer", "partition"]
 
 _TAG = 0x2E60  # of the state messages of consolidate_state_dict
 
 DIRECT_BYTES = 1 << 20
-"""A parameter of at least this many bytes (and tied to none) is broadcast on its own."""
+"""A parameter of at least this many bytes is broadcast on its own, in place."""
 
 
 def partition(nbytes: Sequence[int], size: int) -> list[int]:
@@ -50,42 +48,13 @@ def partition(nbytes: Sequence[int], size: int) -> list[int]:
     return owners
 
 
-def _address(array: Any) -> int:
-    interface = getattr(array, "__cuda_array_interface__", None) or array.__array_interface__
-    return interface["data"][0]
-
-
-def ties(params: Sequence[Any]) -> list[int]:
-    """For each parameter, the lowest index of the parameters whose memory overlaps with its
-    own, directly or through others (itself when it shares memory with none).
-
-    The memory of a C-contiguous parameter is one range of addresses; other parameters
-    (refused by the optimizers) count as tied to none.
-    """
-    groups: list[list[int]] = []
-    end = 0
-    for start, stop, i in sorted((_address(p), _address(p) + p.nbytes, i)
-                                 for i, p in enumerate(params)
-                                 if p.nbytes and p.flags.c_contiguous):
-        if groups and start < end:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-        end = max(end, stop)
-    first = list(range(len(params)))
-    for group in groups:
-        for i in group:
-            first[i] = min(group)
-    return first
-
-
 class ZeroRedundancyOptimizer(CommJoinable):
     """Optimizer whose state is sharded over the ranks of `comm`.
 
     Collective over `comm`: every rank constructs it with the same parameter shapes, dtypes
-    and order, the same parameters sharing memory (:func:`ties`), the same optimizer class and
-    hyperparameters (checked: ``ValueError`` on every rank otherwise), and calls :meth:`step`
-    in the same iterations.
+    and order, the same optimizer class and hyperparameters, and no two arrays sharing memory
+    (checked: ``ValueError`` on every rank otherwise), and calls :meth:`step` in the same
+    iterations.
 
     Parameters
     ----------
@@ -117,14 +86,18 @@ class ZeroRedundancyOptimizer(CommJoinable):
         super().__init__(comm_of_grads(grads) if comm is None else comm, timeout)
         self.params = list(params)
         views, grads = grads, list(grads)
-        tied = ties(self.params)
+        try:  # memory sharing is no part of the layout: a rank that has it refuses
+            check_disjoint(params=self.params, grads=grads)
+            refused = None
+        except ValueError as error:
+            refused = error
         layout = ([(p.shape, p.dtype.str, p.flags.c_contiguous, is_writeable(p))
-                   for p in self.params], tied,
+                   for p in self.params],
                   [g.shape for g in grads], optimizer_class.__qualname__,
                   [(k, getattr(v, "__qualname__", v)) for k, v in sorted(defaults.items())])
         self._check_arguments(
-            None, layout,
-            "parameters (shapes, dtypes, flags, shared memory), gradients or optimizer settings",
+            refused, layout,
+            "parameters, gradients or optimizer settings",
             f"params {[(p.shape, p.dtype.str) for p in self.params]}, "
             f"{len(grads)} grads and {optimizer_class.__name__}({defaults})")
         # identical everywhere from here on, so every check below gives one verdict
@@ -135,16 +108,12 @@ class ZeroRedundancyOptimizer(CommJoinable):
             raise ValueError(f"max_grad_norm must be >= 0, got {self.max_grad_norm!r}")
         self.optimizer_class = optimizer_class
         self.device = device_of(self.params[0]) if self.params else "cpu"
-        tie_bytes = [0] * len(self.params)
-        for i, p in enumerate(self.params):
-            tie_bytes[tied[i]] += p.nbytes
-        tie_owners = partition(tie_bytes, self.size)  # a tie goes whole to one owner
-        self.owners = [tie_owners[tied[i]] for i in range(len(self.params))]
+        self.owners = partition([p.nbytes for p in self.params], self.size)
         self.shard = [i for i, owner in enumerate(self.owners) if owner == self.rank]
         self.local = optimizer_class([self.params[i] for i in self.shard],
                                      [grads[i] for i in self.shard], comm=self.comm,
                                      **defaults)
-        self._packs, self._direct = self._sync_plan(tied)
+        self._packs, self._direct = self._sync_plan()
         self._consolidated: dict[str, Any] | None = None
         bound = GradientViews.of(views)
         if bound is not None:  # DataParallel's Joins must list this optimizer, which steps
@@ -163,15 +132,14 @@ class ZeroRedundancyOptimizer(CommJoinable):
         Join.notify_join_context(self)
         self._step_shard_and_sync()
 
-    def _sync_plan(self, tied: list[int]) -> tuple[list[tuple[int, Any, list]], list[int]]:
+    def _sync_plan(self) -> tuple[list[tuple[int, Any, list]], list[int]]:
         """The broadcasts of a step, the same on every rank: per owner with packed parameters,
         its byte buffer and (bytes of the buffer, bytes of the parameter) view pairs; and the
         parameters broadcast on their own."""
-        members_of = Counter(tied)
         packed: list[list[int]] = [[] for _ in range(self.size)]
         direct = []
         for i, p in enumerate(self.params):
-            if p.nbytes >= DIRECT_BYTES and members_of[tied[i]] == 1:
+            if p.nbytes >= DIRECT_BYTES:
                 direct.append(i)
             elif p.nbytes:
                 packed[self.owners[i]].append(i)
