@@ -126,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=int, default=25_000_000)
     parser.add_argument("--pieces", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
