@@ -27,6 +27,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from report import report
+
 from tensorplay_mpi import DataParallel, Join, JoinHook, PeerFailureError
 from tensorplay_mpi.settings import settings
 
@@ -117,9 +119,14 @@ try:
                 raise ValueError("the same bug on every rank")
         except ValueError:
             pass
-        with Join([dp]):
-            with dp.step():
-                dp.grads[0] = np.ones(4)
+        error = None
+        try:
+            with Join([dp]):
+                with dp.step():
+                    dp.grads[0] = np.ones(4)
+        except RuntimeError as exc:
+            error = exc
+        report(world, error)  # every rank's outcome, however late
     elif mode == "continue":
         dp = DataParallel([np.zeros(4)], comm=comm)
         with Join([dp]) as join:
