@@ -4,7 +4,7 @@
 
 PYTHON  ?= python3
 VENV    ?= .venv
-EXTRAS  ?= mpich,test,examples,bench
+EXTRAS  ?= mpich,test,examples,bench,fused
 BIN     := $(VENV)/bin
 PY      := $(BIN)/python
 MPIEXEC ?= $(BIN)/mpiexec
@@ -19,7 +19,7 @@ CORE_TESTS   := tests/test_join_mpi.py tests/test_data_parallel_mpi.py \
                 tests/test_data_parallel_misuse_mpi.py tests/test_joinable_comm_mpi.py \
                 tests/test_zero_mpi.py
 
-.PHONY: help venv test test-serial test-mpi test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
+.PHONY: help venv test test-serial test-mpi test-unfused test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
         lint bench bench-threads gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
@@ -56,6 +56,14 @@ test-mpi: venv  ## the MPI tests at each rank count in RANKS (files: MPI_TESTS)
 	    || { rc=$$?; tail -n 200 .test-logs/*.log 2>/dev/null; \
 	         echo "MPI tests failed at $$n rank(s) (exit $$rc)"; exit 1; }; \
 	done
+
+# The optimizer tests once more on the NumPy rules, the fused kernels off (docs/optimizers.md).
+OPTIM_TESTS := tests/test_optim_mpi.py tests/test_zero_mpi.py
+test-unfused: venv  ## the optimizer tests again on the NumPy rules (fused kernels off)
+	TENSORPLAY_MPI_FUSED=0 $(PY) -m pytest -m "not mpi" -q --timeout=$(RUN_TIMEOUT) \
+	  --timeout-method=thread tests/test_optim.py
+	TENSORPLAY_MPI_FUSED=0 $(MAKE) --no-print-directory test-mpi RANKS="1 2 3" \
+	  MPI_TESTS="$(OPTIM_TESTS)"
 
 # Scale (see docs/scale.md): the core MPI tests at 8 ranks, oversubscribed (about 1 min here);
 # an exactness soak at 32 ranks (DataParallel and JoinableComm against closed forms, ~10 s).

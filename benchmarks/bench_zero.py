@@ -5,7 +5,9 @@
 - ``state_share``: this rank's Adam state bytes / a local Adam's (target <= 1/W + 0.05), the
   largest over ranks;
 - ``step``: step time of ``Join([dp, zero])`` / ``Join([dp, adam])`` with a local Adam, measured
-  side by side (slowest rank, median of interleaved repeats).
+  side by side (slowest rank, median of interleaved repeats);
+- ``many_small``: for each count in ``--small`` (1k to 10k params of 100 float32), a ZeRO SGD
+  step / a local SGD step on the same params, side by side (target at 10k: <= 1.5).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import numpy as np
 from bench_dp import side_by_side
 from mpi4py import MPI
 
-from tensorplay_mpi import Adam, DataParallel, Join, ZeroRedundancyOptimizer
+from tensorplay_mpi import SGD, Adam, DataParallel, Join, ZeroRedundancyOptimizer
+
+SMALL_TARGET = 1.5  # ZeRO / local step with 10k small params
 
 
 def model(total: int) -> list[np.ndarray]:
@@ -34,9 +38,22 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=25_000_000)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--small", default="1000,2500,5000,10000",
+                        help="counts of small params (comma-separated; empty: none)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
+    many_small = {}
+    for count in [int(n) for n in args.small.split(",") if n]:
+        small = [np.zeros(100, np.float32) for _ in range(count)]
+        grads = [np.full_like(p, 1e-3) for p in small]
+        zero_sgd = ZeroRedundancyOptimizer(small, grads, SGD, comm=comm, lr=1e-3)
+        local_sgd = SGD(small, grads, lr=1e-3)
+        many_small[count] = side_by_side(comm, zero_sgd.step, local_sgd.step, args.repeats)
+        if comm.rank == 0:
+            print(f"{comm.size} ranks, {count} params of 100 float32: ZeRO SGD step / local "
+                  f"{many_small[count]['ratio']:.2f} ({many_small[count]['a_ms']:.1f} / "
+                  f"{many_small[count]['b_ms']:.1f} ms)", flush=True)
 
     params = model(args.params)
     dp_zero, dp_local = DataParallel(params, comm=comm), DataParallel(params, comm=comm)
@@ -63,6 +80,8 @@ def main() -> None:
         "state_share": share,
         "state_share_target": 1 / comm.size + 0.05,
         "step": step,
+        "many_small": many_small,
+        "many_small_target": SMALL_TARGET,
     }
     if comm.rank == 0:
         print(f"{comm.size} ranks: state share {share:.4f} (target <= "

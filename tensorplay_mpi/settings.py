@@ -1,6 +1,5 @@
 """Every ``TENSORPLAY_MPI_*`` environment variable, parsed once and validated in one place.
 
-==============================  =======================================  =========
 variable                        meaning                                  default
 ==============================  =======================================  =========
 ``TENSORPLAY_MPI_TIMEOUT``      seconds a library wait may take          ``1800``
@@ -11,6 +10,19 @@ variable                        meaning                                  default
 ``TENSORPLAY_MPI_EXCEPTHOOK``   abort the job on an uncaught exception   ``1``
 ``TENSORPLAY_MPI_THREADS``      BLAS threads per rank: keep or a number  automatic
 ==============================  =======================================  =========
+=======
+==============================  ========================================  =========
+variable                        meaning                                   default
+==============================  ========================================  =========
+``TENSORPLAY_MPI_TIMEOUT``      seconds a library wait may take           ``1800``
+``TENSORPLAY_MPI_STALL``        seconds before a wait is reported; 0 off  ``60``
+``TENSORPLAY_MPI_GRACE``        seconds the failure agreement may take    ``10``
+``TENSORPLAY_MPI_DEBUG``        collective signature checks               ``0``
+``TENSORPLAY_MPI_CUDA_AWARE``   device pointers to MPI: auto, 0 or 1      ``auto``
+``TENSORPLAY_MPI_EXCEPTHOOK``   abort the job on an uncaught exception    ``1``
+``TENSORPLAY_MPI_THREADS``      BLAS threads per rank: keep or a number   automatic
+``TENSORPLAY_MPI_FUSED``        fused optimizer steps: auto, 0 or 1       ``auto``
+==============================  ========================================  =========
 
 The timeout and the stall report cover the library's own waits: a rank blocked in a library
 call.  A deadlock entirely in your own code (rank 0 in ``comm.Barrier()``, rank 1 in
@@ -52,6 +64,8 @@ class Settings:
     excepthook: bool = True
     threads: int | str = "auto"
     """``"auto"``, ``"keep"``, or a number of threads per rank."""
+    fused: str = "auto"
+    """``"auto"`` (numba's kernels when it is installed), ``"0"`` (NumPy) or ``"1"`` (numba's)."""
 
 
 def positive_seconds(value: object, name: str) -> float:
@@ -136,6 +150,7 @@ def settings() -> Settings:
         cuda_aware=_choice("TENSORPLAY_MPI_CUDA_AWARE", Settings.cuda_aware, ("auto", "0", "1")),
         excepthook=_flag("TENSORPLAY_MPI_EXCEPTHOOK", Settings.excepthook),
         threads=threads_setting(os.environ.get("TENSORPLAY_MPI_THREADS")),
+        fused=_choice("TENSORPLAY_MPI_FUSED", Settings.fused, ("auto", "0", "1")),
     )
 
 

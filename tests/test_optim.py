@@ -1,6 +1,7 @@
 """Local optimizers against the textbook formulas, their state dicts, and the ZeRO partition."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -350,3 +351,84 @@ def test_an_optimizer_bound_to_a_plain_list_of_dp_grads_is_recognised_too():
             dp.grads[0][...] = 1.0
         opt.step()
     assert opt.steps == 1
+
+
+# -- the fused kernels (numba, the `fused` extra) against the NumPy rules ----------------------
+
+@pytest.fixture
+def fused_setting(monkeypatch):
+    """Set TENSORPLAY_MPI_FUSED for the test; the settings are read again after it."""
+    from tensorplay_mpi.settings import settings
+
+    def use(value):
+        monkeypatch.setenv("TENSORPLAY_MPI_FUSED", value)
+        settings.cache_clear()
+    yield use
+    monkeypatch.undo()
+    settings.cache_clear()
+
+
+def run_fused_or_not(fused_setting, value, kind, dtype):
+    """Five steps of optimizer `kind` on 0-d, zero-size, scalar-like and large params."""
+    fused_setting(value)
+    rng = np.random.default_rng(5)
+    params = [rng.normal(size=shape).astype(dtype) for shape in [(), (0,), (1,), (300, 7)]]
+    grads = [np.zeros_like(p) for p in params]
+    cls, hyper = optimizer(kind)
+    opt = cls(params, grads, **dict(hyper, lr=np.float64(hyper["lr"])))  # a NumPy scalar too
+    for _ in range(5):
+        for g in grads:
+            g[...] = rng.normal(size=g.shape)
+        opt.step()
+    return params
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", sorted(HYPER))
+def test_fused_kernels_equal_the_numpy_rules_bitwise(fused_setting, kind, dtype):
+    pytest.importorskip("numba")
+    fused = run_fused_or_not(fused_setting, "1", kind, dtype)
+    numpy = run_fused_or_not(fused_setting, "0", kind, dtype)
+    assert all(a.dtype == dtype and a.tobytes() == b.tobytes() for a, b in zip(fused, numpy))
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("auto", True), ("0", False)])
+def test_the_fused_setting_chooses_the_kernels(fused_setting, monkeypatch, value, expected):
+    pytest.importorskip("numba")
+    from tensorplay_mpi.optim import fused
+    fused_setting(value)
+    params = [np.ones(3, np.float32), np.ones(2, np.float16)]  # float16: always NumPy
+    adam = Adam(params, [np.ones_like(p) for p in params])
+    calls = []
+    monkeypatch.setattr(fused, "adam", lambda *args: calls.append(args))
+    adam.step()
+    assert len(calls) == expected and np.all(params[1] < 1)
+    assert np.all(params[0] < 1) != expected  # the stand-in kernel did nothing
+
+
+def test_fused_required_without_numba_is_a_runtime_error(fused_setting, monkeypatch):
+    monkeypatch.setattr(rules, "_import_fused", lambda: None)
+    fused_setting("1")
+    with pytest.raises(RuntimeError, match=r"TENSORPLAY_MPI_FUSED=1 but numba .*\[fused\]"):
+        SGD([np.ones(2)], [np.ones(2)], lr=0.1)
+    fused_setting("auto")
+    SGD([np.ones(2)], [np.ones(2)], lr=0.1).step()  # auto: the NumPy rules
+
+
+def test_a_bad_fused_setting_is_a_value_error(fused_setting):
+    fused_setting("sometimes")
+    with pytest.raises(ValueError, match="TENSORPLAY_MPI_FUSED must be one of auto, 0, 1"):
+        SGD([np.ones(2)], [np.ones(2)], lr=0.1)
+
+
+def test_the_fused_steps_start_no_threads(fused_setting):
+    pytest.importorskip("numba")
+    from numba.np.ufunc import parallel
+    fused_setting("1")
+    params = [np.ones(100_000, np.float32), np.ones(10)]
+    opt = AdamW(params, [np.ones_like(p) for p in params])  # compiles (LLVM may add a thread)
+    before = os.listdir("/proc/self/task")
+    for _ in range(3):
+        opt.step()
+    assert os.listdir("/proc/self/task") == before and np.all(params[0] < 1)
+    assert not parallel._is_initialized  # numba's thread pool never started

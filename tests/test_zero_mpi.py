@@ -194,3 +194,73 @@ def test_0d_params_shard_step_and_consolidate_as_shape_1(comm, optimizer):
                      np.array_equal(s0["state"][i][k].reshape(1), s1["state"][i][k])
                      for i in s1["state"] for k in s1["state"][i])
     assert_all(same_params and same_state and s0["steps"] == 5, "0-d differs from shape (1,)")
+
+
+def odd_params():
+    """0-d, zero-size, mixed dtypes, and one parameter large enough to travel on its own."""
+    rng = np.random.default_rng(3)
+    shapes = [((), np.float64), ((0,), np.float32), ((3,), np.float32), ((5, 2), np.float64),
+              ((300_000,), np.float32), ((2,), np.float32), ((0, 4), np.float64)]
+    return [rng.normal(size=shape).astype(dtype) for shape, dtype in shapes]
+
+
+def zero_and_local(comm, params, optimizer, steps=4):
+    """`steps` ZeRO steps on `params` and local steps on a copy: both lists of results."""
+    optimizer_class, hyper = OPTIMIZERS[optimizer]
+    copies = [p.copy() for p in params]
+    rng = np.random.default_rng(5)
+    grads = [np.zeros_like(p) for p in params]
+    local_grads = [np.zeros_like(p) for p in params]  # clipping scales the grads in place
+    zero = ZeroRedundancyOptimizer(params, grads, optimizer_class, comm=comm, **hyper)
+    local = optimizer_class(copies, local_grads, **hyper)
+    for _ in range(steps):
+        for g, local_g in zip(grads, local_grads):
+            g[...] = local_g[...] = rng.normal(size=g.shape)
+        zero.step()
+        local.step()
+    return params, copies
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_0d_zero_size_mixed_dtype_and_large_params_equal_the_local_optimizer_bitwise(
+        comm, optimizer):
+    params, expected = zero_and_local(comm, odd_params(), optimizer)
+    assert_all(all(p.dtype == e.dtype and np.array_equal(p, e) for p, e in zip(params, expected)),
+               "ZeRO left the local optimizer")
+
+
+def shared(case, params):
+    """`params` with two of them sharing memory."""
+    buf = np.zeros(20)
+    return {"same array twice": params + [params[1]],
+            "overlapping views": params + [buf[:6], buf[4:10]],
+            "large array twice": params + [np.zeros(300_000)] * 2}[case]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", ["same array twice", "overlapping views", "large array twice"])
+@pytest.mark.parametrize("where", ["every rank", "the last rank"])
+def test_params_sharing_memory_are_refused_on_every_rank(comm, case, where):
+    params = many_params()
+    if where == "every rank" or comm.rank == comm.size - 1:
+        params = shared(case, params)
+    else:  # the same shapes, no sharing
+        params = [p.copy() for p in shared(case, params)]
+    with raises_everywhere(ValueError, match="share memory|refused their"):
+        ZeroRedundancyOptimizer(params, [np.zeros_like(p) for p in params], Adam, comm=comm)
+
+
+@pytest.mark.mpi
+def test_a_step_broadcasts_once_per_owner_for_small_params(comm, monkeypatch):
+    from tensorplay_mpi.optim import zero as zero_module
+    params = [np.ones(10, np.float32) for _ in range(200)] + [np.ones(300_000, np.float32)]
+    opt = ZeroRedundancyOptimizer(params, [np.ones_like(p) for p in params], SGD, comm=comm,
+                                  lr=0.1)
+    started = []
+    real = zero_module.ibcast
+    monkeypatch.setattr(zero_module, "ibcast", lambda *args: started.append(1) or real(*args))
+    opt.step()
+    owners = len(set(opt.owners[:200]))
+    assert_all(len(started) == owners + 1, f"{len(started)} broadcasts for {owners} owners")
+    assert_all(all(np.all(p == 0.9) for p in params), "a parameter missed its step")

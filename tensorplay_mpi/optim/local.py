@@ -116,6 +116,7 @@ class Optimizer(Joinable):
         self.steps = 0
         limit_threads()
         self._hyper(1)
+        rules.warm_up(self.params)  # the fused kernels compile here, not in the first step
         self.state = [{name: _zeros_like(p) for name in self.state_names} for p in self.params]
         self._flat = [p.reshape(-1) for p in self.params]  # views: a 0-d param is (1,)
         self._flat_state = [{k: a.reshape(-1) for k, a in s.items()} for s in self.state]

@@ -1,8 +1,11 @@
 """The update rules of SGD and Adam(W), shared by the local optimizers and ZeRO's shards.
 
-NumPy arrays are updated block by block with in-place ufuncs (``out=``) into a preallocated
-scratch: each block of the parameter, gradient and state is read from memory once and written
-once while it sits in cache, and nothing is allocated on the hot path.  CuPy arrays get one
+NumPy arrays of float32 and float64 take the fused kernels of :mod:`tensorplay_mpi.optim.fused`
+(one pass over memory) when numba is installed (the ``fused`` extra) and
+``TENSORPLAY_MPI_FUSED`` is not ``0``: see :func:`fused`.  Otherwise they are updated block by
+block with in-place ufuncs (``out=``) into a preallocated scratch: each block of the parameter,
+gradient and state is read from memory once and written once while it sits in cache, and
+nothing is allocated on the hot path.  Both give bitwise identical results.  CuPy arrays get one
 fused elementwise kernel per rule (compiled on first use; CuPy is looked up in
 ``sys.modules``, never imported here).
 
@@ -13,11 +16,14 @@ from __future__ import annotations
 
 import math
 import sys
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-__all__ = ["BLOCK_BYTES", "Scratch", "adam", "aligned_zeros", "sgd"]
+from ..settings import settings
+
+__all__ = ["BLOCK_BYTES", "Scratch", "adam", "aligned_zeros", "fused", "sgd", "warm_up"]
 
 BLOCK_BYTES = 1 << 20
 """Bytes per array per block: the working set of a block (5 to 6 arrays) stays in the last-level
@@ -49,6 +55,40 @@ class Scratch:
         if blocks is None or blocks.shape[1] < n:
             blocks = self._blocks[dtype] = aligned_zeros((2, n), dtype)
         return blocks[0, :n], blocks[1, :n]
+
+
+def fused() -> Any:
+    """The fused kernels' module, or None: ``TENSORPLAY_MPI_FUSED=0``, or numba missing.
+
+    Raises
+    ------
+    RuntimeError
+        If ``TENSORPLAY_MPI_FUSED=1`` and numba cannot be imported.
+    """
+    setting = settings().fused
+    if setting == "0":
+        return None
+    kernels = _import_fused()
+    if kernels is None and setting == "1":
+        raise RuntimeError("TENSORPLAY_MPI_FUSED=1 but numba cannot be imported: install the "
+                           "fused extra (pip install 'tensorplay-mpi[fused]')")
+    return kernels
+
+
+@lru_cache(maxsize=1)
+def _import_fused() -> Any:
+    try:
+        from . import fused as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def warm_up(params: Any) -> None:
+    """Compile (or load from cache) the fused kernels for the dtypes of `params` now."""
+    kernels = fused()
+    if kernels is not None:
+        kernels.warm_up({p.dtype for p in params if type(p) is np.ndarray})
 
 
 def _cupy_of(p: Any) -> Any:
@@ -84,6 +124,12 @@ def sgd(p: Any, g: Any, buf: Any | None, scratch: Scratch, lr: float, momentum: 
             _kernel(cupy, "sgd")(g, lr, weight_decay, p)
         else:
             _kernel(cupy, "sgd_momentum")(g, lr, momentum, weight_decay, float(nesterov), p, buf)
+        return
+    # Python floats are cast to the array's dtype, as in the fused kernels (NumPy's are not)
+    lr, momentum, weight_decay = float(lr), float(momentum), float(weight_decay)
+    kernels = fused()
+    if kernels is not None and kernels.fits(p, g, *(() if buf is None else (buf,))):
+        kernels.sgd(p, g, buf, lr, momentum, weight_decay, nesterov)
         return
     for s in _blocks(p):
         pb, gb = p[s], g[s]
@@ -121,14 +167,20 @@ def adam(p: Any, g: Any, m: Any, v: Any, scratch: Scratch, lr: float, beta1: flo
     scratch : Scratch
         Reused blocks (NumPy only).
     """
+    beta1, beta2 = float(beta1), float(beta2)  # Python floats, as for sgd
     root = math.sqrt(1.0 - beta2 ** step)
     step_size = lr * root / (1.0 - beta1 ** step)
     eps_hat = eps * root
     decay = 1.0 - lr * weight_decay if decoupled else 1.0
     l2 = 0.0 if decoupled else weight_decay
+    step_size, eps_hat, decay, l2 = float(step_size), float(eps_hat), float(decay), float(l2)
     cupy = _cupy_of(p)
     if cupy is not None:
         _kernel(cupy, "adam")(g, beta1, beta2, l2, decay, step_size, eps_hat, p, m, v)
+        return
+    kernels = fused()
+    if kernels is not None and kernels.fits(p, g, m, v):
+        kernels.adam(p, g, m, v, beta1, beta2, l2, decay, step_size, eps_hat)
         return
     for s in _blocks(p):
         pb, gb, mb, vb = p[s], g[s], m[s], v[s]
