@@ -23,6 +23,7 @@ from .buffers import Staging
 from .guard import Guard
 from .ops import OPS, op_name
 from .settings import positive_seconds, settings
+from .tensors import as_array
 from .work import Work, outstanding_requests
 
 __all__ = [
@@ -86,13 +87,18 @@ def check_comm(comm: Any, name: str = "comm") -> MPI.Intracomm:
     return comm
 
 
-def _check_buffer(buf: Any, name: str, what: str) -> None:
+def _buffer(buf: Any, name: str, what: str) -> Any:
+    """`buf` as MPI takes it: arrays as they are, torch CPU tensors and CPU DLPack exporters
+    as NumPy views of their memory (no copy)."""
     if type(buf) is np.ndarray or buf is MPI.IN_PLACE:  # the common case, without look-ups
-        return
+        return buf
+    buf = as_array(buf, f"{what}: {name}")
     if not hasattr(buf, "__array_interface__") and not hasattr(buf, "__cuda_array_interface__") \
             and not isinstance(buf, memoryview):
-        raise TypeError(f"{what}: {name} must be an array (NumPy or CuPy), got "
-                        f"{type(buf).__name__}; convert it with numpy.asarray")
+        raise TypeError(f"{what}: {name} must be an array (NumPy, CuPy, a torch CPU tensor or "
+                        f"a CPU DLPack exporter), got {type(buf).__name__}; convert it with "
+                        "numpy.asarray")
+    return buf
 
 
 def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Request],
@@ -137,16 +143,15 @@ def iallreduce(
 
     Collective over `comm`: every rank must call it.  `sendbuf` may be ``MPI.IN_PLACE``.
     """
-    _check_buffer(sendbuf, "sendbuf", what)
-    _check_buffer(recvbuf, "recvbuf", what)
+    send, recv = _buffer(sendbuf, "sendbuf", what), _buffer(recvbuf, "recvbuf", what)
     staging = Staging()
-    if sendbuf is MPI.IN_PLACE:
-        args = (sendbuf, staging.update(recvbuf), op)
+    if send is MPI.IN_PLACE:
+        args = (send, staging.update(recv), op)
     else:
-        args = (staging.read(sendbuf), staging.write(recvbuf), op)
-    return _start(comm, what, "allreduce", comm.Iallreduce, args, (sendbuf, recvbuf), recvbuf,
+        args = (staging.read(send), staging.write(recv), op)
+    return _start(comm, what, "allreduce", comm.Iallreduce, args, (send, recv), recvbuf,
                   staging,
-                  lambda: f"allreduce {_describe(recvbuf)} op={op_name(op) or 'user-defined'}",
+                  lambda: f"allreduce {_describe(recv)} op={op_name(op) or 'user-defined'}",
                   finish)
 
 
@@ -155,11 +160,11 @@ def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Wor
 
     Collective over `comm`: every rank must call it.
     """
-    _check_buffer(buf, "buf", what)
+    data = _buffer(buf, "buf", what)
     staging = Staging()
-    mpi_buf = staging.read(buf) if comm.Get_rank() == root else staging.write(buf)
-    return _start(comm, what, "bcast", comm.Ibcast, (mpi_buf, root), (buf,), buf,
-                  staging, lambda: f"bcast {_describe(buf)} root={root}")
+    mpi_buf = staging.read(data) if comm.Get_rank() == root else staging.write(data)
+    return _start(comm, what, "bcast", comm.Ibcast, (mpi_buf, root), (data,), buf,
+                  staging, lambda: f"bcast {_describe(data)} root={root}")
 
 
 def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "allgather") -> Work:
@@ -167,12 +172,11 @@ def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "all
 
     Collective over `comm`: every rank must call it.
     """
-    _check_buffer(sendbuf, "sendbuf", what)
-    _check_buffer(recvbuf, "recvbuf", what)
+    send, recv = _buffer(sendbuf, "sendbuf", what), _buffer(recvbuf, "recvbuf", what)
     staging = Staging()
-    args = (staging.read(sendbuf), staging.write(recvbuf))
-    return _start(comm, what, "allgather", comm.Iallgather, args, (sendbuf, recvbuf),
-                  recvbuf, staging, lambda: f"allgather {_describe(sendbuf)}")
+    args = (staging.read(send), staging.write(recv))
+    return _start(comm, what, "allgather", comm.Iallgather, args, (send, recv),
+                  recvbuf, staging, lambda: f"allgather {_describe(send)}")
 
 
 def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[int],
@@ -181,23 +185,24 @@ def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[in
 
     Collective over `comm`: every rank must call it with the same `counts`.
     """
-    _check_buffer(sendbuf, "sendbuf", what)
-    _check_buffer(recvbuf, "recvbuf", what)
+    send, recv = _buffer(sendbuf, "sendbuf", what), _buffer(recvbuf, "recvbuf", what)
     staging = Staging()
-    args = (staging.read(sendbuf), [staging.write(recvbuf), counts])
-    return _start(comm, what, "allgather", comm.Iallgatherv, args, (sendbuf, recvbuf),
-                  recvbuf, staging, lambda: f"allgatherv {_describe(recvbuf)}")
+    args = (staging.read(send), [staging.write(recv), counts])
+    return _start(comm, what, "allgather", comm.Iallgatherv, args, (send, recv),
+                  recvbuf, staging, lambda: f"allgatherv {_describe(recv)}")
 
 
 def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send") -> Work:
     """Start a point-to-point ``MPI_Isend`` of `buf` to `dest`."""
+    data = as_array(buf, f"{what}: buf")
     staging = Staging()
-    return _start(comm, what, "send", comm.Isend, (staging.read(buf), dest, tag), (buf,), None,
+    return _start(comm, what, "send", comm.Isend, (staging.read(data), dest, tag), (data,), None,
                   staging)
 
 
 def irecv(comm: MPI.Intracomm, buf: Any, source: int, tag: int, what: str = "recv") -> Work:
     """Start a point-to-point ``MPI_Irecv`` into `buf` from `source`; the result is `buf`."""
+    data = as_array(buf, f"{what}: buf")
     staging = Staging()
-    return _start(comm, what, "recv", comm.Irecv, (staging.write(buf), source, tag), (buf,),
+    return _start(comm, what, "recv", comm.Irecv, (staging.write(data), source, tag), (data,),
                   buf, staging)

@@ -40,6 +40,7 @@ from .algorithms.comm_joinable import CommJoinable
 from .algorithms.join import Join, JoinHook
 from .buffers import device_of, zeros_like
 from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_name
+from .tensors import as_array, like
 
 __all__ = ["JoinableComm"]
 
@@ -313,13 +314,14 @@ class JoinableComm(CommJoinable):
         array (passing one saves an allocation per call); ``out=x`` reduces in place.  Inside
         a Join the library completes a Work that its caller drops when the iteration ends.
         """
+        given = x
         try:  # the common case inline: dict look-ups, no call
             x = x if type(x) is np.ndarray else self._array(x)
             code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
             op_code = _OP_CODES.get(id(op)) or _op_code(op)
             if x.dtype.kind not in _OP_KINDS[op_code - 1]:
                 _refuse_op(op_code, x.dtype)
-            out = _output(x, out)
+            out, result = _output(given, x, out)
         except (TypeError, ValueError) as error:
             self._refuse(error)
         if self._announces():
@@ -329,10 +331,10 @@ class JoinableComm(CommJoinable):
                                payload=_keys(x, reverse))
                 keys = self._announcement[_PAYLOAD_AT:_PAYLOAD_AT + x.size]
                 out[...] = _from_keys(keys, x.dtype, reverse).reshape(x.shape)
-                return _completed(out, f"allreduce ({self._where}, carried)")
+                return _completed(result, f"allreduce ({self._where}, carried)")
             self._announce(_ALLREDUCE, op_code, code, count=x.size)
         send = MPI.IN_PLACE if out is x else x
-        return self._own(iallreduce(self.comm, send, out, op, f"allreduce ({self._where})"))
+        return self._own(iallreduce(self.comm, send, result, op, f"allreduce ({self._where})"))
 
     def allreduce(self, x: Any, op: MPI.Op = MPI.SUM, out: Any = None) -> Any:
         """Allreduce of `x` over the active ranks (see :meth:`iallreduce`)."""
@@ -345,6 +347,7 @@ class JoinableComm(CommJoinable):
         dimensions may not (``ValueError`` on every rank).  The row headers are exchanged (and
         waited for) first; the Work is the data's allgatherv.
         """
+        given = rows
         try:
             rows = self._array(rows)
             if rows.ndim < 1:
@@ -357,13 +360,14 @@ class JoinableComm(CommJoinable):
         if self._announces():
             self._announce(_ALLGATHER, 0, code, count=math.prod(rows.shape[1:]),
                            rows=row_digest)
-        return self._own(self._gather_rows(rows, row_digest))
+        return self._own(self._gather_rows(rows, row_digest, given))
 
     def allgather(self, rows: Any) -> Any:
         """The active ranks' rows, concatenated in rank order (see :meth:`iallgather`)."""
         return self._wait(self.iallgather(rows))
 
-    def _gather_rows(self, rows: Any, row_digest: int) -> Work:
+    def _gather_rows(self, rows: Any, row_digest: int, given: Any = None) -> Work:
+        """The row headers, then the data's allgatherv into a new array of `given`'s kind."""
         self._row_header[:] = rows.shape[0], row_digest
         headers = self._wait(iallgather(self.comm, self._row_header, self._row_headers,
                                         f"row counts ({self._where})"))
@@ -376,7 +380,7 @@ class JoinableComm(CommJoinable):
                              f"{rows.shape[1:]})")
         total, row_size = int(counts.sum()), math.prod(rows.shape[1:])
         out = zeros_like(rows, total * row_size).reshape((total,) + tuple(rows.shape[1:]))
-        return iallgatherv(self.comm, rows, out, (counts * row_size).tolist(),
+        return iallgatherv(self.comm, rows, like(given, out), (counts * row_size).tolist(),
                            f"allgather ({self._where})")
 
     def ibcast(self, x: Any, root: int | str = "highest_active", out: Any = None) -> Work:
@@ -386,10 +390,11 @@ class JoinableComm(CommJoinable):
         no rank) raises ``ValueError`` on every rank, joined ones included.  `out` (shaped and
         typed like `x`) receives the data; by default a new array.
         """
+        given = x
         try:
             x = x if type(x) is np.ndarray else self._array(x)
             code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
-            out = _output(x, out)
+            out, result = _output(given, x, out)
             highest = isinstance(root, str) and root == "highest_active"
             if not highest and (isinstance(root, bool)
                                 or not isinstance(root, (int, np.integer))):
@@ -407,7 +412,7 @@ class JoinableComm(CommJoinable):
                 _check_root(target, highest or values[_ROOT_IS_ME] == 1)
                 data = self._announcement[_PAYLOAD_AT:].tobytes()[:x.nbytes]
                 out[...] = np.frombuffer(data, x.dtype).reshape(x.shape)
-                return _completed(out, f"bcast ({self._where}, carried)")
+                return _completed(result, f"bcast ({self._where}, carried)")
             values = self._announce(_BCAST, 0, code, target, x.size)
             target = values[_RANK] if highest else target
             _check_root(target, highest or values[_ROOT_IS_ME] == 1)
@@ -415,7 +420,8 @@ class JoinableComm(CommJoinable):
             target = self.size - 1
         if self.rank == target and out is not x:
             out[...] = x
-        return self._own(ibcast(self.comm, out, target, f"bcast from {target} ({self._where})"))
+        return self._own(ibcast(self.comm, result, target,
+                                f"bcast from {target} ({self._where})"))
 
     def _carrier(self, x: Any, root: int) -> int | None:
         """The rank whose small `x` an announcement carries: `root`, or the highest active
@@ -434,6 +440,7 @@ class JoinableComm(CommJoinable):
     def _array(self, x: Any) -> Any:
         if type(x) is np.ndarray:
             return x
+        x = as_array(x)
         if not hasattr(x, "dtype") or not hasattr(x, "shape"):
             return np.asarray(x)
         self.device = device_of(x)
@@ -445,11 +452,15 @@ class JoinableComm(CommJoinable):
         return _FollowAnnouncements(self)
 
 
-def _output(x: Any, out: Any) -> Any:
+def _output(given: Any, x: Any, out: Any) -> tuple[Any, Any]:
+    """The array an operation on `x` writes, and the result it returns: the caller's `out`,
+    else a new array of the kind of `given` (the caller's `x`, of which `x` is the array)."""
     if out is None:
-        return np.empty_like(x) if type(x) is np.ndarray else zeros_like(x)
-    if out is x:
-        return out
+        new = np.empty_like(x) if type(x) is np.ndarray else zeros_like(x)
+        return new, like(given, new)
+    if out is given:
+        return x, out
+    result, out = out, as_array(out, "out")
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be shaped and typed like the input: {x.shape} {x.dtype}, "
                          f"got {out.shape} {out.dtype}")
@@ -457,7 +468,7 @@ def _output(x: Any, out: Any) -> Any:
                                                                or x.base is not None)
             and np.may_share_memory(out, x)):  # two arrays without a base cannot overlap
         raise ValueError("out overlaps the input without being it; pass out=x to work in place")
-    return out
+    return out, result
 
 
 def _check_root(root: int, active: bool) -> None:

@@ -23,6 +23,7 @@ from ..algorithms.join import Join, Joinable, JoinHook
 from ..buffers import device_of, zeros_like
 from ..comm import check_comm, default_comm
 from ..parallel.buckets import GradientViews
+from ..tensors import as_arrays
 from . import rules
 from ..threads import limit_threads
 from .clip import clip_grad_norm
@@ -95,8 +96,8 @@ class Optimizer(Joinable):
         super().__init__()
         self._grad_views = GradientViews.of(grads)
         self.comm = check_comm(comm_of_grads(grads) if comm is None else comm)
-        self.params = list(params)
-        self.grads = list(grads)
+        self.params = as_arrays(params, "params")  # torch tensors: NumPy views
+        self.grads = as_arrays(grads, "grads")
         check_params(self.params, self.grads)
         self.defaults = dict(defaults)
         self.param_groups = [dict(defaults)]

@@ -17,6 +17,7 @@ from ..algorithms.join import Join, JoinHook
 from ..buffers import device_of, zeros_like
 from ..comm import Work, ibcast, irecv, isend
 from ..parallel.buckets import GradientViews
+from ..tensors import as_arrays
 from .clip import clip_grad_norm
 from .local import Adam, Optimizer, comm_of_grads, is_writeable, check_params
 
@@ -74,8 +75,8 @@ class ZeroRedundancyOptimizer(CommJoinable):
                  optimizer_class: type[Optimizer] = Adam, comm: MPI.Intracomm | None = None,
                  timeout: float | None = None, **defaults: Any) -> None:
         super().__init__(comm_of_grads(grads) if comm is None else comm, timeout)
-        self.params = list(params)
-        views, grads = grads, list(grads)
+        self.params = as_arrays(params, "params")  # torch tensors: NumPy views
+        views, grads = grads, as_arrays(grads, "grads")
         layout = ([(p.shape, p.dtype.str, p.flags.c_contiguous, is_writeable(p))
                    for p in self.params],
                   [g.shape for g in grads], optimizer_class.__qualname__,

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..buffers import zeros_like
+from ..tensors import as_array
 
 __all__ = ["Bucket", "GradientViews", "make_buckets"]
 
@@ -76,6 +77,7 @@ _VIEWS_OF_MEMORY: "weakref.WeakValueDictionary[tuple, GradientViews]" = \
 
 
 def _memory(array: Any) -> tuple:
+    array = as_array(array)
     interface = getattr(array, "__array_interface__", None) or getattr(
         array, "__cuda_array_interface__", {})
     return interface.get("data", (None,))[0], getattr(array, "shape", None)
@@ -84,8 +86,9 @@ def _memory(array: Any) -> tuple:
 class GradientViews(Sequence):
     """The gradients, as views into the buckets: read them, write into them, never rebind.
 
-    ``grads[i]`` is an array shaped like parameter ``i`` (use it as ``out=``, or write
-    ``grads[i][...] = g``); ``grads[i] = g`` copies `g` into it after checking its shape.
+    ``grads[i]`` is an array (a torch tensor for torch parameters) shaped like parameter ``i``
+    (use it as ``out=``, or write ``grads[i][...] = g``); ``grads[i] = g`` copies `g` into it
+    after checking its shape.
 
     Stateful optimizers bound to these gradients register as consumers: every Join of their
     DataParallel must list them too (:meth:`check_consumers`).
@@ -157,9 +160,9 @@ class GradientViews(Sequence):
         if shape is None:
             shape = np.shape(value)
         if tuple(shape) != view.shape:
-            raise ValueError(f"grads[{index}] has shape {view.shape}, got an array of shape "
+            raise ValueError(f"grads[{index}] has shape {tuple(view.shape)}, got an array of shape "
                              f"{tuple(shape)}")
-        view[...] = value
+        as_array(view)[...] = as_array(value)
 
     def __repr__(self) -> str:
         return f"GradientViews({[v.shape for v in self._views]})"
