@@ -128,7 +128,27 @@ def params_digest(params: list[Any]) -> str:
     return digest.hexdigest()
 
 
-def main(argv: list[str] | None = None) -> int:
+def header(comm: MPI.Intracomm, args: argparse.Namespace, trained: int, tested: int,
+           note: str = "") -> None:
+    """The demo's first line, on rank 0."""
+    if comm.rank == 0:
+        sizes = shard_sizes(trained, comm.size, args.skew)
+        print(f"{comm.size} ranks, {trained} training samples split {sizes}, "
+              f"{tested} held out; averaging over the {args.divide} size{note}", flush=True)
+
+
+def epoch_done(comm: MPI.Intracomm, epoch: int, epochs: int, totals: np.ndarray) -> None:
+    """The progress line of an epoch from every rank's (loss sum, correct, samples).
+
+    Collective over `comm`, outside the Join: plain MPI is fine there."""
+    loss, correct, samples = comm.allreduce(totals)
+    if comm.rank == 0:
+        progress(epoch, epochs, f"loss {loss / samples:.4f}  "
+                                f"train accuracy {correct / samples:.4f}")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The demo's flags (``examples.train_torch`` takes the same)."""
     parser = argparse.ArgumentParser(description="Data-parallel MLP on uneven shards.")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
@@ -143,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="exit 1 when the held-out accuracy is lower")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: CuPy arrays on GPU (node-local rank %% GPUs visible)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
 
     comm = MPI.COMM_WORLD
     try:
@@ -154,11 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     mine = shard(len(y_train), comm.rank, comm.size, args.skew)
     params = [xp.asarray(p) for p in init_mlp(x_train.shape[1], args.hidden, 10, args.seed)]
     dp = DataParallel(params, comm=comm)
-    if comm.rank == 0:
-        sizes = shard_sizes(len(y_train), comm.size, args.skew)
-        print(f"{comm.size} ranks, {len(y_train)} training samples split {sizes}, "
-              f"{len(y_test)} held out; averaging over the {args.divide} size"
-              + (f"; on {dp.join_device}" if args.device == "cuda" else ""), flush=True)
+    header(comm, args, len(y_train), len(y_test),
+           f"; on {dp.join_device}" if args.device == "cuda" else "")
 
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
@@ -172,18 +193,23 @@ def main(argv: list[str] | None = None) -> int:
                 for p, g in zip(params, dp.grads):
                     p -= args.lr * g
                 totals += (loss, correct, len(idx))
-        loss, correct, samples = comm.allreduce(totals)  # outside the Join: plain MPI is fine
-        if comm.rank == 0:
-            progress(epoch, args.epochs, f"loss {loss / samples:.4f}  "
-                                         f"train accuracy {correct / samples:.4f}")
+        epoch_done(comm, epoch, args.epochs, totals)
     elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
     predicted = forward(params, xp.asarray(x_test))[1].argmax(axis=1)
     accuracy = float((predicted == xp.asarray(y_test)).mean())
+    return report(comm, args, params, accuracy, elapsed, len(y_test))
+
+
+def report(comm: MPI.Intracomm, args: argparse.Namespace, params: list[Any], accuracy: float,
+           elapsed: float, tested: int) -> int:
+    """Print the demo's last lines on rank 0; the exit status: 0 if accurate and identical.
+
+    Collective over `comm` (it compares the parameters' digests)."""
     digests = comm.allgather(params_digest(params))
     identical = len(set(digests)) == 1
     if comm.rank == 0:
-        print(f"held-out accuracy {accuracy:.4f} ({len(y_test)} samples)")
+        print(f"held-out accuracy {accuracy:.4f} ({tested} samples)")
         print(f"training time {elapsed:.2f} s for {args.epochs} epochs on {comm.size} ranks")
         print(f"parameters identical on all {comm.size} ranks: {'yes' if identical else 'NO'} "
               f"(digest {digests[0]})")
