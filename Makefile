@@ -19,7 +19,7 @@ CORE_TESTS   := tests/test_join_mpi.py tests/test_data_parallel_mpi.py \
                 tests/test_zero_mpi.py
 
 .PHONY: venv test test-serial test-mpi test-8 soak-32 test-noshm test-openmpi docs slurm-test demo lint bench \
-        bench-threads gpu-check clean
+        bench-threads bench-torch gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -129,6 +129,13 @@ bench: venv
 # launches interleaved (the environment is read when BLAS loads); JSON in benchmarks/results/.
 bench-threads: venv
 	$(PY) benchmarks/bench_threads.py --ranks 2 --out benchmarks/results/threads-2-ranks.json
+
+# A torch model under DataParallel + Join against torch DDP + Join (gloo), 2 ranks, 1M and 25M
+# parameters, interleaved in one run (a few minutes); JSON in benchmarks/results/.
+bench-torch: venv
+	@mkdir -p benchmarks/results
+	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_torch.py \
+	  --out benchmarks/results/torch-2-ranks.json
 
 # On a machine with an NVIDIA GPU and CuPy (visible to $(PYTHON)): the gpu tests at 1 and 2
 # ranks, then the GPU benchmark; JSON in benchmarks/results/. Under five minutes.
