@@ -27,7 +27,6 @@ import socket
 import statistics
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
