@@ -7,6 +7,9 @@ issues, therefore starts a nonblocking operation here and completes it through a
 ``comm.Allreduce`` and friends), so that a joined rank's shadow always matches what an active
 rank issued.
 
+Buffers are NumPy or CuPy arrays, torch CPU tensors or objects exporting ``__dlpack__`` on the
+CPU; the last two go to MPI as NumPy views of their memory, without copies.
+
 On a guarded communicator (one used by a Join or a library joinable) each start asks the
 :class:`~tensorplay_mpi.guard.Guard` first (a broken communicator refuses; debug mode checks
 signatures), and each wait polls it for failure notices of other ranks.

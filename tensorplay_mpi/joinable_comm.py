@@ -180,6 +180,8 @@ class JoinableComm(CommJoinable):
     a joined rank do: call :meth:`begin_iteration` and the operations after the other
     joinables' collectives (after ``dp.step()``, never inside it).  Outside an enabled Join
     the operations are plain collectives over every rank and nothing is retained.
+    Operations take NumPy or CuPy arrays, torch CPU tensors and CPU DLPack exporters (without
+    copies); a new result is a torch tensor when the input is one.
 
     Parameters
     ----------

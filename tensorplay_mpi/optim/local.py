@@ -1,8 +1,10 @@
 """Local optimizers over NumPy (and CuPy) arrays: SGD, Adam, AdamW — Joinables beside DataParallel.
 
 Each updates `params` in place from the bound `grads` (for example ``dp.grads``) on
-:meth:`Optimizer.step`.  The rules are PyTorch's (no dampening, no amsgrad), which are the
-textbook ones; the arithmetic lives in :mod:`tensorplay_mpi.optim.rules`, shared with
+:meth:`Optimizer.step`.  Both may be torch CPU tensors (``model.parameters()``, and ``dp.grads``
+of a DataParallel over them): the optimizer works on NumPy views of their memory.  The rules
+are PyTorch's (no dampening, no amsgrad), which are the textbook ones; the arithmetic lives in
+:mod:`tensorplay_mpi.optim.rules`, shared with
 :class:`~tensorplay_mpi.optim.ZeroRedundancyOptimizer`.  State arrays are allocated at
 construction, shaped like their parameter (0-d included), so a state dict has the same layout
 before and after the first step.

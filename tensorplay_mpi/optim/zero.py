@@ -49,7 +49,7 @@ class ZeroRedundancyOptimizer(CommJoinable):
 
     Parameters
     ----------
-    params, grads : sequence of arrays
+    params, grads : sequence of arrays or torch CPU tensors
         The parameters (updated in place on every rank) and their gradients (for example
         ``dp.grads``, which hold the average after ``dp.step()``).
     optimizer_class : type, default Adam

@@ -43,6 +43,7 @@ from .torch_grads import TorchGradients
 
 __all__ = ["DataParallel"]
 
+# Codes of the construction check: what a rank refused locally, agreed before any broadcast.
 def _check_arrays(given: Any, name: str, floating: bool) -> tuple[list[Any], list[Any]]:
     """The caller's arrays and tensors, and the arrays the library works on (torch tensors:
     NumPy views of their memory); raises if they cannot be trained in place."""
