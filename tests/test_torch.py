@@ -55,6 +55,15 @@ def test_one_tensor_instead_of_a_sequence_is_a_type_error():
         DataParallel(torch.nn.Parameter(torch.zeros(2)), comm=MPI.COMM_SELF)
 
 
+def test_a_model_with_a_live_data_parallel_is_refused_until_it_is_gone():
+    model = torch.nn.Linear(3, 2)
+    dp = DataParallel(model.parameters(), comm=MPI.COMM_SELF)
+    with pytest.raises(ValueError, match=r"params\[0\] already has its gradient bound"):
+        DataParallel(model.parameters(), comm=MPI.COMM_SELF)
+    del dp
+    DataParallel(model.parameters(), comm=MPI.COMM_SELF)
+
+
 def test_comm_functions_write_into_dlpack_exporters_without_copies():
     data = np.arange(4.0)
     exporter = DLPackOnly(data)

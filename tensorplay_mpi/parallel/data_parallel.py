@@ -39,7 +39,7 @@ from ..buffers import device_of, is_device_array
 from ..comm import Work, iallreduce, ibcast
 from ..tensors import as_arrays, is_tensor, like
 from .buckets import GradientViews, make_buckets
-from .torch_grads import TorchGradients
+from .torch_grads import TorchGradients, check_unbound
 
 __all__ = ["DataParallel"]
 
@@ -186,6 +186,7 @@ class DataParallel(CommJoinable):
         given: list[Any] = []
         try:
             given, self.params = _check_arrays(params, "params", floating=True)
+            check_unbound(given)
             self.buffers = _check_arrays(buffers, "buffers", floating=False)[1]
             self.device = _one_device(self.params + self.buffers)
             if not bucket_cap_mb > 0:

@@ -17,7 +17,18 @@ from typing import Any, Callable, Iterable
 
 from ..tensors import is_tensor
 
-__all__ = ["TorchGradients"]
+__all__ = ["TorchGradients", "check_unbound"]
+
+_BINDING = "_tensorplay_mpi_binding"  # the attribute of a bound parameter: weakref to its binding
+
+
+def check_unbound(params: list[Any]) -> None:
+    """Raise ``ValueError`` if a parameter's ``p.grad`` is bound to a live DataParallel."""
+    for i, p in enumerate(params):
+        if is_tensor(p) and getattr(p, _BINDING, lambda: None)() is not None:
+            raise ValueError(f"params[{i}] already has its gradient bound to the buckets of "
+                             "another DataParallel: use one DataParallel per model (delete "
+                             "the other one first)")
 
 
 class TorchGradients:
@@ -42,6 +53,8 @@ class TorchGradients:
         self._params = {i: p for i, p in enumerate(params) if is_tensor(p) and p.requires_grad}
         self._grads = grads
         self.bind(self._params)
+        for p in self._params.values():
+            setattr(p, _BINDING, weakref.ref(self))
         if on_accumulated is not None:
             ref = weakref.ref(owner)
             for i, p in self._params.items():
