@@ -9,6 +9,7 @@ the gradient is the sum of the active ranks' batch gradients divided by the worl
 import numpy as np
 import pytest
 from helpers import UNEVEN, assert_all, gathered_equal, inputs_of, raises_everywhere
+from mpi4py import MPI
 
 from tensorplay_mpi import (SGD, Adam, AdamW, DataParallel, Join, JoinableComm,
                             ZeroRedundancyOptimizer)
@@ -189,7 +190,7 @@ def test_joinable_comm_takes_torch_tensors_and_returns_them(comm, pattern):
             jc.begin_iteration()
             active = [r for r in range(comm.size) if inputs[r] > t]
             total = jc.allreduce(torch.full((3,), float(comm.rank + 1)))
-            small = jc.allreduce(torch.tensor([comm.rank]), op=__import__("mpi4py").MPI.MAX)
+            small = jc.allreduce(torch.tensor([comm.rank]), op=MPI.MAX)
             rows = jc.allgather(torch.full((comm.rank + 1, 2), comm.rank))
             root = jc.bcast(torch.arange(100) + comm.rank)
             ok &= isinstance(total, torch.Tensor) and isinstance(rows, torch.Tensor)
