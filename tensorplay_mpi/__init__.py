@@ -8,6 +8,7 @@ from .errors import (CollectiveMismatchError, CollectiveTimeoutError, EarlyTermi
 from .joinable_comm import JoinableComm
 from .optim import SGD, Adam, AdamW, ZeroRedundancyOptimizer
 from .parallel import DataParallel
+from .stopping import clear_stop, request_stop, stop_on_signals, stop_requested
 
 __version__ = "0.1.0"
 
@@ -15,6 +16,6 @@ __all__ = [
     "Join", "Joinable", "JoinHook", "Work", "DataParallel", "JoinableComm",
     "SGD", "Adam", "AdamW", "ZeroRedundancyOptimizer",
     "CollectiveMismatchError", "CollectiveTimeoutError", "EarlyTerminationError",
-    "PeerFailureError",
+    "PeerFailureError", "stop_on_signals", "request_stop", "stop_requested", "clear_stop",
     "comm", "data", "optim", "__version__",
 ]

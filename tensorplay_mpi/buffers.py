@@ -18,6 +18,7 @@ CuPy is never imported here: it is looked up in ``sys.modules``.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import re
 import sys
@@ -29,7 +30,9 @@ from mpi4py import MPI
 
 from .settings import settings
 
-__all__ = ["check_device", "device_of", "is_device_array", "zeros_like", "cuda_aware", "Staging"]
+__all__ = ["check_device", "device_of", "is_device_array", "zeros_like", "check_disjoint",
+           "misordered",
+           "cuda_aware", "Staging"]
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
@@ -75,6 +78,52 @@ def zeros_like(array: Any, size: int | None = None, dtype: Any = None) -> Any:
     xp = cupy if cupy is not None and isinstance(array, cupy.ndarray) else np
     shape = array.shape if size is None else (size,)
     return xp.zeros_like(array, shape=shape, dtype=dtype or array.dtype)
+
+
+def misordered(array: Any) -> str | None:
+    """``"Fortran-ordered"`` or ``"strided"`` for an array that is not C-contiguous (MPI
+    reads and writes memory in order, so it would scramble or refuse it), else ``None``."""
+    flags = getattr(array, "flags", None)
+    if flags is None or flags.c_contiguous:
+        return None
+    return "Fortran-ordered" if flags.f_contiguous else "strided"
+
+
+def _extent(array: Any) -> tuple[int, int]:
+    """The addresses ``[low, high)`` that `array`'s elements span (empty for no element)."""
+    face = getattr(array, "__array_interface__", None) or array.__cuda_array_interface__
+    low, shape, strides = face["data"][0], face["shape"], face.get("strides")
+    itemsize = np.dtype(face["typestr"]).itemsize
+    if 0 in shape:
+        return low, low
+    if strides is None:  # C-contiguous
+        return low, low + math.prod(shape) * itemsize
+    spans = [(n - 1) * stride for n, stride in zip(shape, strides)]
+    return (low + sum(s for s in spans if s < 0),
+            low + sum(s for s in spans if s > 0) + itemsize)
+
+
+def check_disjoint(**named: list[Any]) -> None:
+    """Raise ``ValueError`` if two of the arrays share memory (the same array twice, or views
+    of one buffer; interleaved views such as ``x[::2]`` and ``x[1::2]`` count too): MPI may
+    not write one buffer from two operations, and an update would apply once per listing.
+
+    `named` maps a name to a list of arrays (``params=..., grads=...``), for the message.
+    """
+    names = [f"{name}[{i}]" for name, arrays in named.items() for i in range(len(arrays))]
+    extents = sorted((_extent(a), k) for k, a in
+                     enumerate(a for arrays in named.values() for a in arrays))
+    reach, widest = -1, -1  # the highest end so far, and whose
+    for (low, high), k in extents:
+        if low == high:
+            continue
+        if low < reach:
+            first, second = sorted((widest, k))
+            raise ValueError(f"{names[first]} and {names[second]} share memory (the same "
+                             "array twice, or views of one buffer): pass each array once (a "
+                             "tied parameter once, with the sum of its gradients)")
+        if high > reach:
+            reach, widest = high, k
 
 
 # -- stream safety -----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from .buffers import Staging
+from .buffers import Staging, misordered
 from .guard import Guard
 from .ops import OPS, op_name
 from .settings import positive_seconds, settings
@@ -92,15 +92,23 @@ def check_comm(comm: Any, name: str = "comm") -> MPI.Intracomm:
 
 def _buffer(buf: Any, name: str, what: str) -> Any:
     """`buf` as MPI takes it: arrays as they are, torch CPU tensors and CPU DLPack exporters
-    as NumPy views of their memory (no copy)."""
-    if type(buf) is np.ndarray or buf is MPI.IN_PLACE:  # the common case, without look-ups
-        return buf
+    as NumPy views of their memory (no copy).  Refuse what MPI would misread: a non-array, or
+    an array not in C order (MPI reads and writes memory in order: a Fortran-ordered array
+    would be scrambled, a strided one refused only after other ranks have started the
+    operation)."""
+    if type(buf) is np.ndarray and buf.flags.c_contiguous or buf is MPI.IN_PLACE:
+        return buf  # the common case, without look-ups
     buf = as_array(buf, f"{what}: {name}")
     if not hasattr(buf, "__array_interface__") and not hasattr(buf, "__cuda_array_interface__") \
             and not isinstance(buf, memoryview):
         raise TypeError(f"{what}: {name} must be an array (NumPy, CuPy, a torch CPU tensor or "
                         f"a CPU DLPack exporter), got {type(buf).__name__}; convert it with "
                         "numpy.asarray")
+    layout = misordered(buf)
+    if layout is not None:
+        raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()}: {what}: {name} must be "
+                         f"C-contiguous, got a {layout} array; pass numpy.ascontiguousarray of "
+                         "it (and copy a received result back)")
     return buf
 
 
@@ -113,6 +121,7 @@ def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Reques
     The Work's result is `value`, or ``finish(value)``; staged buffers are copied back first.
     Host buffers (nothing staged, no `finish`) need no completion callback at all.
     """
+    settings()  # a bad environment value raises here, before the operation starts
     guard = Guard.of(comm)
     if guard is not None:
         guard.before_collective(kind, what, signature)
@@ -197,7 +206,7 @@ def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[in
 
 def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send") -> Work:
     """Start a point-to-point ``MPI_Isend`` of `buf` to `dest`."""
-    data = as_array(buf, f"{what}: buf")
+    data = _buffer(buf, "buf", what)
     staging = Staging()
     return _start(comm, what, "send", comm.Isend, (staging.read(data), dest, tag), (data,), None,
                   staging)
@@ -205,7 +214,7 @@ def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send"
 
 def irecv(comm: MPI.Intracomm, buf: Any, source: int, tag: int, what: str = "recv") -> Work:
     """Start a point-to-point ``MPI_Irecv`` into `buf` from `source`; the result is `buf`."""
-    data = as_array(buf, f"{what}: buf")
+    data = _buffer(buf, "buf", what)
     staging = Staging()
     return _start(comm, what, "recv", comm.Irecv, (staging.write(data), source, tag), (data,),
                   buf, staging)

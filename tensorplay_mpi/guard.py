@@ -10,12 +10,18 @@ it while waiting.  It owns two private duplicates:
     the failure is its own, the exception's type and message) to every other rank.  Every
     library wait on the guarded communicator looks for notices; after a short grace it settles
     the failure and raises :class:`~tensorplay_mpi.errors.PeerFailureError`.  Settling is the
-    failure agreement, ``Iallreduce([not own, progress], MAX)`` on ``notices``, bounded by
-    ``$TENSORPLAY_MPI_GRACE`` (10 s): when every rank failed on its own (one bug on all ranks)
-    the communicator is intact, pending requests are completed and each rank's exception
-    propagates unchanged.  Otherwise, or when some rank does not come to agree in time, it is
-    broken: the exceptions propagate (with ``python -m mpi4py`` the job aborts) and later
-    library collectives on it raise at once.
+    failure agreement, one ``Iallreduce(MAX)`` on ``notices`` of whether the failure was
+    another rank's, and of how far the rank got: the collectives it started on the guarded
+    communicator (:attr:`Guard.started`), plus and minus, so that the maximum gives both the
+    highest and the lowest count.  It is bounded by ``$TENSORPLAY_MPI_GRACE`` (10 s).  When
+    every rank failed on its own (one bug on all ranks) AND every rank started the same
+    collectives, the communicator is intact: pending requests are completed and each rank's
+    exception propagates unchanged.  Otherwise, or when some rank does not come to agree in
+    time, it is broken: a collective that one rank started and another did not would be matched
+    by the next one and give wrong numbers, so the exceptions propagate (with ``python -m
+    mpi4py`` the job aborts) and every later library collective on it raises at once.
+    The same communicator carries the stall report's questions and answers
+    (:mod:`tensorplay_mpi.stall`).
 ``checks``
     With ``TENSORPLAY_MPI_DEBUG=1``, before every library collective the ranks allgather its
     signature (kind, count, dtype, op, root) and raise
@@ -32,8 +38,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import CollectiveMismatchError, PeerFailureError
-from .launch import check_launch, install_excepthook, launch_problem
+from .launch import check_launch, forget_exit_status, install_excepthook, launch_problem
 from .settings import settings
+from .stall import ANSWER_TAG, QUERY_TAG, StallReport, answer
 from .work import Work
 
 __all__ = ["Guard", "Verdict", "check_launch", "launch_problem", "NOTICE_GRACE_S"]
@@ -51,7 +58,7 @@ class Verdict(NamedTuple):
     """The outcome of a failure agreement (:meth:`Guard.settle`)."""
 
     intact: bool
-    """True iff every rank failed on its own: the communicator is usable."""
+    """True iff every rank failed on its own, at the same point: the communicator is usable."""
     progress: int
     """The highest `progress` any rank reported (meaningful when intact)."""
 
@@ -75,6 +82,9 @@ class Guard:
         self._first_notice: float | None = None
         self._settled: tuple[BaseException, Verdict] | None = None  # the latest settle
         self.broken: str | None = None
+        self.started = 0  # collectives started on the guarded communicator (and their checks)
+        self._stall: StallReport | None = None  # a stall report waiting for answers
+        self._sent: list[np.ndarray] = []  # payloads of stall messages, kept while MPI may read
 
     @staticmethod
     def of(comm: MPI.Comm) -> "Guard | None":
@@ -88,6 +98,7 @@ class Guard:
 
         Collective over `comm` the first time: every rank must call it.
         """
+        forget_exit_status()  # a sys.exit before this point was caught
         guard = cls.of(comm)
         if guard is None:
             check_launch()
@@ -106,12 +117,15 @@ class Guard:
 
     def before_collective(self, kind: str, what: str,
                           signature: Callable[[], str] | None) -> None:
-        """Refuse a broken communicator; in debug mode, check that every rank issues the same."""
+        """Refuse a broken communicator; count a collective; in debug mode, check that every
+        rank issues the same."""
         if self.broken is not None:
-            raise RuntimeError(f"rank {self.rank}: cannot start {what}: the communicator is "
-                               f"unusable after {self.broken}; end the job")
-        if settings().debug and kind in _COLLECTIVES and signature is not None:
-            self._check_signatures(signature(), what)
+            raise self._unusable(f"cannot start {what}")
+        if kind in _COLLECTIVES:
+            if settings().debug and signature is not None:
+                self.started += 1  # the check is an operation of its own (on ``checks``)
+                self._check_signatures(signature(), what)
+            self.started += 1
 
     def _check_signatures(self, signature: str, what: str) -> None:
         mine = np.zeros((2, _SIGNATURE_BYTES), np.uint8)
@@ -138,9 +152,13 @@ class Guard:
         rank then raises its own exception, not a PeerFailureError, and the communicator stays
         usable.
         """
-        while self._receive_notice():
-            if self._first_notice is None:
-                self._first_notice = time.monotonic()
+        if self.broken is not None:  # started before the verdict: it can never complete
+            raise self._unusable(f"{what} cannot complete")
+        while self._receive(what):
+            pass
+        if self._stall is not None and self._stall.due():
+            self._stall.print()
+            self._stall = None
         first = self._first_notice  # set iff a notice is being settled
         if first is not None and time.monotonic() - max(first, since) > NOTICE_GRACE_S:
             rank, _, kind, message = self.received[0]
@@ -149,29 +167,50 @@ class Guard:
             self.settle(error)  # a PeerFailureError leaves every library call settled
             raise error
 
+    def _unusable(self, what: str) -> RuntimeError:
+        return RuntimeError(f"rank {self.rank}: {what}: the communicator is unusable after "
+                            f"{self.broken}; end the job")
+
+    def drain(self) -> None:
+        """Receive what is waiting on ``notices`` (stall questions and late answers)."""
+        if self.broken is None:
+            while self._receive("nothing (between Joins)"):
+                pass
+
+    def report_stall(self, what: str, waited: float) -> None:
+        """Ask every other rank where it is; the next polls print the answers (one line)."""
+        self._stall = StallReport(self.notices, self.rank, self.started, what, waited,
+                                  self._sent)
+
     # -- the failure path ------------------------------------------------------------------------
 
     def settle(self, error: BaseException, progress: int = 0) -> Verdict:
         """Tell every rank about `error`, agree, and say whether the communicator is intact.
 
         Called by every rank that leaves a Join or a step through an exception, and by a wait
-        that raises PeerFailureError.  Settling the same exception again returns the same
-        verdict, so an exception that leaves a step and then its Join is settled once.  The
-        agreement waits for the other ranks at most ``$TENSORPLAY_MPI_GRACE`` seconds; a rank
-        whose peers do not come (they are busy outside the library, or gone) marks the
-        communicator broken and lets its own exception propagate.
+        that raises PeerFailureError.  Two rounds: the agreement, then a confirmation that
+        every rank completed it (a rank that gave up waiting for a late one does not confirm,
+        so the late one cannot take the communicator for intact).  Settling the same exception
+        again returns the same verdict, so an exception that leaves a step and then its Join
+        is settled once.  Each round waits for the other ranks at most
+        ``$TENSORPLAY_MPI_GRACE`` seconds; a rank whose peers do not come (they are busy
+        outside the library, or gone) marks the communicator broken and lets its own exception
+        propagate.
 
         Parameters
         ----------
         error : BaseException
             The exception this rank leaves with.
         progress : int, default 0
-            A count the caller needs agreed (how many of its operations it started).
+            How many of the collectives this rank started the caller will complete itself
+            when the verdict is intact (DataParallel's buckets of the failed step: a rank that
+            started fewer starts the missing ones).  The other collectives must match exactly.
 
         Returns
         -------
         Verdict
-            ``intact`` iff every rank failed on its own; ``progress``, the highest over ranks.
+            ``intact`` iff every rank failed on its own and every rank started the same
+            collectives apart from `progress`; ``progress``, the highest over ranks.
         """
         if self._settled is not None and self._settled[0] is error:
             return self._settled[1]
@@ -194,36 +233,66 @@ class Guard:
         payload = np.frombuffer(pickle.dumps(notice), np.uint8)
         sends = [Work(self.notices.Isend(payload, r, _NOTICE_TAG), f"failure notice to {r}",
                       (payload,)) for r in range(self.size) if r != self.rank]
-        flags = np.array([int(not own), progress], np.int64)
-        agreement = Work(self.notices.Iallreduce(MPI.IN_PLACE, flags, MPI.MAX),
-                         "failure agreement", (flags,))
-        if not agreement.wait_until(grace, poll=False):
+        matched = self.started - progress  # collectives that every rank must have started
+        flags = np.array([int(not own), matched, -matched, progress], np.int64)
+        if not self._all_come(flags, MPI.MAX, "failure agreement", grace):
             self.broken = (f"a failure ({type(error).__name__}) that not every rank came to "
                            f"agree on within {grace:g} s (TENSORPLAY_MPI_GRACE)")
             return Verdict(False, progress)
+        # A rank that gave up waiting above is broken, and comes to no second round: a rank
+        # that came after it (its agreement matched the given-up one) learns it here.
+        if not self._all_come(np.ones(1, np.int64), MPI.MIN, "failure agreement (second "
+                              "round)", grace):
+            self.broken = (f"a failure ({type(error).__name__}) that a rank gave up agreeing "
+                           f"on (it came more than {grace:g} s, TENSORPLAY_MPI_GRACE, after "
+                           "another)")
+            return Verdict(False, progress)
         # every notice was sent before the agreement could complete
         while len(self.received) < self.size - 1 and time.monotonic() < deadline:
-            self._receive_notice()
+            self._receive("the failure agreement")
         for send in sends:  # every rank receives them all, as this one did
             send.wait_until(max(0.0, deadline - time.monotonic()), poll=False)
-        intact = int(flags[0]) == 0
-        if not intact:
-            failed = sorted(r for r, was_own, _, _ in self.received if was_own)
-            failed += [self.rank] if own else []
-            self.broken = f"a failure on rank(s) {sorted(failed)} that other ranks did not share"
+        shared, most, fewest = int(flags[0]) == 0, int(flags[1]), -int(flags[2])
+        if not shared:
+            failed = {r: kind for r, was_own, kind, _ in self.received if was_own}
+            failed.update({self.rank: type(error).__name__} if own else {})
+            kinds = ", ".join(sorted(set(failed.values())))
+            self.broken = (f"a failure on rank(s) {sorted(failed)} ({kinds}) that other ranks "
+                           "did not share")
+        elif most != fewest:
+            self.broken = (f"a failure that every rank raised, but at different points: some "
+                           f"rank had started {most} collectives on the communicator, another "
+                           f"{fewest} (this rank {matched}), so an operation is unmatched")
         self.received.clear()
         self._first_notice = None
-        return Verdict(intact, int(flags[1]))
+        return Verdict(self.broken is None, int(flags[3]))
 
 
-    def _receive_notice(self) -> bool:
-        """Receive one pending failure notice into :attr:`received`, if there is one."""
+    def _all_come(self, flags: np.ndarray, op: MPI.Op, what: str, grace: float) -> bool:
+        """``Iallreduce(IN_PLACE, flags, op)`` on ``notices``; False if not every rank comes
+        within `grace` s (the operation then stays pending, on a broken communicator)."""
+        work = Work(self.notices.Iallreduce(MPI.IN_PLACE, flags, op), what, (flags,), None, self)
+        return work.wait_until(grace, poll=False)
+
+    def _receive(self, what: str) -> bool:
+        """Receive one pending message on ``notices``, if there is one: a failure notice (kept
+        in :attr:`received`), a stall question (answered: this rank waits for `what`) or a
+        stall answer (for the report in progress; a late one is dropped)."""
         status = MPI.Status()
-        if not self.notices.Iprobe(MPI.ANY_SOURCE, _NOTICE_TAG, status):
+        if not self.notices.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
             return False
+        source, tag = status.Get_source(), status.Get_tag()
         payload = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-        self.notices.Recv(payload, status.Get_source(), _NOTICE_TAG)  # matched: returns at once
-        self.received.append(pickle.loads(payload.tobytes()))
+        self.notices.Recv(payload, source, tag)  # matched: returns at once
+        message = pickle.loads(payload.tobytes())
+        if tag == _NOTICE_TAG:
+            self.received.append(message)
+            if self._first_notice is None:
+                self._first_notice = time.monotonic()
+        elif tag == QUERY_TAG:
+            answer(self.notices, source, (self.rank, self.started, what), self._sent)
+        elif tag == ANSWER_TAG and self._stall is not None:
+            self._stall.add(*message)
         return True
 
 

@@ -63,7 +63,7 @@ def _blas() -> str:
 
 def rank_facts() -> dict[str, Any]:
     """This rank's row of the table (collective: every rank limits its threads first)."""
-    limit_threads(MPI.COMM_WORLD)
+    limit_threads(MPI.COMM_WORLD, notice=False)  # the report says it, once
     aware, _ = cuda_aware()
     return {
         "rank": MPI.COMM_WORLD.Get_rank(),

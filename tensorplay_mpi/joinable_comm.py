@@ -25,7 +25,9 @@ active ranks (waiting for it there, not in ``begin_iteration()``, so work in bet
   recording of the past: a rank with zero iterations, or a loop whose collectives change,
   works.
 
-Arguments are checked on every rank before any collective, the same way in both modes.
+Arguments are checked on every rank before any collective, the same way in both modes.  Inputs
+in any layout are sent in C order (copied when they are not C-contiguous); an ``out`` that is
+not C-contiguous is refused (``ValueError``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from mpi4py import MPI
 
 from .algorithms.comm_joinable import CommJoinable
 from .algorithms.join import Join, JoinHook
-from .buffers import device_of, zeros_like
+from .buffers import device_of, misordered, zeros_like
 from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_name
 from .tensors import as_array, like
 
@@ -312,18 +314,19 @@ class JoinableComm(CommJoinable):
         """Start an allreduce of `x` over the active ranks; the Work's result is `out`.
 
         Joined ranks contribute the identity of `op` (0 for SUM, 1 for PROD, the lowest value
-        for MAX, ...).  `out` (shaped and typed like `x`) receives the result; by default a new
-        array (passing one saves an allocation per call); ``out=x`` reduces in place.  Inside
-        a Join the library completes a Work that its caller drops when the iteration ends.
+        for MAX, ...).  `out` (shaped and typed like `x`, C-contiguous) receives the result; by
+        default a new array (passing one saves an allocation per call); ``out=x`` reduces in
+        place.  Inside a Join the library completes a Work that its caller drops when the
+        iteration ends.
         """
-        given = x
         try:  # the common case inline: dict look-ups, no call
-            x = x if type(x) is np.ndarray else self._array(x)
+            given = x
+            x = x if type(x) is np.ndarray and x.flags.c_contiguous else self._array(x)
             code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
             op_code = _OP_CODES.get(id(op)) or _op_code(op)
             if x.dtype.kind not in _OP_KINDS[op_code - 1]:
                 _refuse_op(op_code, x.dtype)
-            out, result = _output(given, x, out)
+            out, result = _output(x, out, given)
         except (TypeError, ValueError) as error:
             self._refuse(error)
         if self._announces():
@@ -390,13 +393,13 @@ class JoinableComm(CommJoinable):
 
         `root` is an active rank, or ``"highest_active"``.  An int root that has joined (or is
         no rank) raises ``ValueError`` on every rank, joined ones included.  `out` (shaped and
-        typed like `x`) receives the data; by default a new array.
+        typed like `x`, C-contiguous) receives the data; by default a new array.
         """
-        given = x
         try:
-            x = x if type(x) is np.ndarray else self._array(x)
+            given = x
+            x = x if type(x) is np.ndarray and x.flags.c_contiguous else self._array(x)
             code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
-            out, result = _output(given, x, out)
+            out, result = _output(x, out, given)
             highest = isinstance(root, str) and root == "highest_active"
             if not highest and (isinstance(root, bool)
                                 or not isinstance(root, (int, np.integer))):
@@ -440,13 +443,14 @@ class JoinableComm(CommJoinable):
         return self._wait(self.ibcast(x, root, out))
 
     def _array(self, x: Any) -> Any:
-        if type(x) is np.ndarray:
-            return x
-        x = as_array(x)
-        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-            return np.asarray(x)
-        self.device = device_of(x)
-        return x
+        """`x` as an array MPI can send: C-ordered (a copy if it was not), on its device; a
+        torch CPU tensor or a CPU DLPack exporter as the NumPy view of its memory."""
+        if type(x) is not np.ndarray:
+            x = as_array(x)
+            if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+                return np.asarray(x)
+            self.device = device_of(x)
+        return x if misordered(x) is None else x.copy(order="C")
 
     # -- Joinable ------------------------------------------------------------------------------
 
@@ -454,18 +458,26 @@ class JoinableComm(CommJoinable):
         return _FollowAnnouncements(self)
 
 
-def _output(given: Any, x: Any, out: Any) -> tuple[Any, Any]:
-    """The array an operation on `x` writes, and the result it returns: the caller's `out`,
-    else a new array of the kind of `given` (the caller's `x`, of which `x` is the array)."""
+def _output(x: Any, out: Any, given: Any) -> tuple[Any, Any]:
+    """The array that receives the result, checked, and the result to return: the caller's
+    `out`, or a new array like `x` (the C-ordered array of the caller's input `given`), a torch
+    tensor when `given` is one."""
     if out is None:
         new = np.empty_like(x) if type(x) is np.ndarray else zeros_like(x)
         return new, like(given, new)
-    if out is given:
-        return x, out
+    if out is x:
+        return out, out
     result, out = out, as_array(out, "out")
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be shaped and typed like the input: {x.shape} {x.dtype}, "
                          f"got {out.shape} {out.dtype}")
+    layout = misordered(out)
+    if layout is not None:
+        raise ValueError(f"out must be C-contiguous (MPI writes it in memory order), got a "
+                         f"{layout} array{' (out=x)' if result is given else ''}: pass a "
+                         "C-contiguous out, or none and copy the result")
+    if result is given:  # out=x of a tensor: in place, in the memory `x` views
+        return x, result
     if (type(out) is np.ndarray and type(x) is np.ndarray and (out.base is not None
                                                                or x.base is not None)
             and np.may_share_memory(out, x)):  # two arrays without a base cannot overlap

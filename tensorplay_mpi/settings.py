@@ -4,6 +4,7 @@
 variable                        meaning                                  default
 ==============================  =======================================  =========
 ``TENSORPLAY_MPI_TIMEOUT``      seconds a library wait may take          ``1800``
+``TENSORPLAY_MPI_STALL``        seconds before a wait is reported; 0 off ``60``
 ``TENSORPLAY_MPI_GRACE``        seconds the failure agreement may take   ``10``
 ``TENSORPLAY_MPI_DEBUG``        collective signature checks              ``0``
 ``TENSORPLAY_MPI_CUDA_AWARE``   device pointers to MPI: auto, 0 or 1     ``auto``
@@ -11,20 +12,29 @@ variable                        meaning                                  default
 ``TENSORPLAY_MPI_THREADS``      BLAS threads per rank: keep or a number  automatic
 ==============================  =======================================  =========
 
+The timeout and the stall report cover the library's own waits: a rank blocked in a library
+call.  A deadlock entirely in your own code (rank 0 in ``comm.Barrier()``, rank 1 in
+``comm.recv()``) is in no library wait, and only the launcher's or the scheduler's time limit
+ends it.
+
 Booleans accept ``1/true/yes/on`` and ``0/false/no/off`` (any case).  A value that is none of
 the accepted ones raises ``ValueError`` naming the variable, at the first library call that
-needs the settings.
+needs the settings, before that call starts anything.  Any other ``TENSORPLAY_MPI_*`` variable
+(a misspelling such as ``TENSORPLAY_MPI_TIMOUT``) gets one ``RuntimeWarning`` from rank 0.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
 __all__ = ["Settings", "settings", "positive_seconds", "threads_setting"]
 
+_PREFIX = "TENSORPLAY_MPI_"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -34,6 +44,8 @@ class Settings:
     """The library's settings, read from the environment by :func:`settings`."""
 
     timeout: float = 1800.0
+    stall: float = 60.0
+    """Seconds a library wait goes on before it is reported (once); 0 turns reports off."""
     grace: float = 10.0
     debug: bool = False
     cuda_aware: str = "auto"
@@ -57,14 +69,16 @@ def _text(name: str) -> str | None:
     return text or None
 
 
-def _seconds(name: str, default: float) -> float:
+def _seconds(name: str, default: float, zero: bool = False) -> float:
+    """A positive number of seconds (or 0 too, if `zero`: "off")."""
     text = _text(name)
     if text is None:
         return default
     try:
-        return positive_seconds(float(text), name)
+        return 0.0 if zero and float(text) == 0 else positive_seconds(float(text), name)
     except ValueError:
-        raise ValueError(f"{name} must be a positive number of seconds, got {text!r}") from None
+        kind = "number of seconds >= 0" if zero else "positive number of seconds"
+        raise ValueError(f"{name} must be a {kind}, got {text!r}") from None
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -112,11 +126,37 @@ def settings() -> Settings:
     ValueError
         If a variable holds a value it does not accept.
     """
+    _warn_unknown_names()
     return Settings(
         timeout=_seconds("TENSORPLAY_MPI_TIMEOUT", Settings.timeout),
+        stall=_seconds("TENSORPLAY_MPI_STALL", Settings.stall, zero=True),
         grace=_seconds("TENSORPLAY_MPI_GRACE", Settings.grace),
         debug=_flag("TENSORPLAY_MPI_DEBUG", Settings.debug),
         cuda_aware=_choice("TENSORPLAY_MPI_CUDA_AWARE", Settings.cuda_aware, ("auto", "0", "1")),
         excepthook=_flag("TENSORPLAY_MPI_EXCEPTHOOK", Settings.excepthook),
         threads=threads_setting(os.environ.get("TENSORPLAY_MPI_THREADS")),
     )
+
+
+_warned: set[str] = set()  # unknown names already warned about
+
+
+def _warn_unknown_names() -> None:
+    """One RuntimeWarning on rank 0 for ``TENSORPLAY_MPI_*`` names that are no setting."""
+    known = {_PREFIX + field.name.upper() for field in fields(Settings)}
+    unknown = sorted(name for name in os.environ
+                     if name.startswith(_PREFIX) and name not in known | _warned)
+    if not unknown:
+        return
+    _warned.update(unknown)
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return
+    for name in unknown:
+        close = difflib.get_close_matches(name[len(_PREFIX):],
+                                          [k[len(_PREFIX):] for k in sorted(known)], n=1)
+        hint = (f"did you mean {_PREFIX}{close[0]}?" if close
+                else f"the settings are {', '.join(sorted(known))}")
+        warnings.warn(f"{name} is not a tensorplay_mpi setting and is ignored ({hint})",
+                      RuntimeWarning, stacklevel=2)

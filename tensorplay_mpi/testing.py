@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from mpi4py import MPI
 
+from .launch import forget_exit_status
 from .settings import settings
 from .work import outstanding_requests
 
@@ -185,6 +186,12 @@ def pytest_configure(config: Any) -> None:
     if "TENSORPLAY_MPI_DEBUG" not in os.environ:
         debug_mode(True)
         _debug_by_plugin = True
+
+
+def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    """pytest ends with its own status: a ``sys.exit`` a test caught (argparse's, say) is not
+    the process's (see :mod:`tensorplay_mpi.launch`)."""
+    forget_exit_status()
 
 
 def _comm() -> Iterator[MPI.Intracomm]:

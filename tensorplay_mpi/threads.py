@@ -9,8 +9,10 @@ threadpoolctl (environment variables are read too late, when the libraries load)
 
 unless the user chose: ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` or ``MKL_NUM_THREADS`` set
 keeps the libraries' own choice, ``TENSORPLAY_MPI_THREADS=keep`` too, and
-``TENSORPLAY_MPI_THREADS=N`` sets ``N`` threads.  Rank 0 says so once, on stderr, when it lowers
-the limit.  ``python -m tensorplay_mpi.info`` shows the decision.
+``TENSORPLAY_MPI_THREADS=N`` sets ``N`` threads.  The automatic limit only lowers: a library
+already at or below it (a ``threadpool_limits(1)`` of the user's, made before) is kept.  Rank 0
+says once, on stderr, which libraries it lowered and which it kept.
+``python -m tensorplay_mpi.info`` shows the decision.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def _count_local_ranks(comm: MPI.Intracomm | None) -> int | None:
         node.Free()
 
 
-def limit_threads(comm: MPI.Intracomm | None = None) -> None:
+def limit_threads(comm: MPI.Intracomm | None = None, notice: bool = True) -> None:
     """Limit the BLAS/OpenMP threads of this process once (see the module docstring).
 
     Parameters
@@ -94,6 +96,8 @@ def limit_threads(comm: MPI.Intracomm | None = None) -> None:
         A communicator every rank of which calls this now (collectively).  When its group is
         COMM_WORLD's, the ranks on this node are counted over it, once per process; otherwise
         (``None``: not a collective call) the automatic limit waits for such a call.
+    notice : bool, default True
+        Whether rank 0 prints what it changed (``info`` shows it in its report instead).
 
     Raises
     ------
@@ -105,20 +109,36 @@ def limit_threads(comm: MPI.Intracomm | None = None) -> None:
         _local_ranks = _count_local_ranks(comm)
     if _decision is not None:
         return
-    cores = usable_cores()
-    limit, why = choose(os.environ, cores, _local_ranks)
+    limit, why = choose(os.environ, usable_cores(), _local_ranks)
     if not why:
         return
     _decision = why
     if limit is None:
         return
-    from threadpoolctl import threadpool_limits
-
-    threadpool_limits(limits=limit)
-    asked = "TENSORPLAY_MPI_THREADS" in os.environ
-    if limit < cores and not asked and MPI.COMM_WORLD.Get_rank() == 0:
-        print(f"tensorplay_mpi: BLAS/OpenMP threads limited to {why}", file=sys.stderr,
+    asked = "TENSORPLAY_MPI_THREADS" in os.environ  # then set, else only lowered
+    lowered, kept = _apply(limit, lower_only=not asked)
+    _decision = "; ".join([why] + [f"{verb} {', '.join(what)}" for verb, what in
+                                   (("lowered", lowered), ("kept", kept)) if what])
+    if notice and (kept or lowered and not asked) and MPI.COMM_WORLD.Get_rank() == 0:
+        print(f"tensorplay_mpi: BLAS/OpenMP threads limited to {_decision}", file=sys.stderr,
               flush=True)
+
+
+def _apply(limit: int, lower_only: bool) -> tuple[list[str], list[str]]:
+    """Set every loaded BLAS/OpenMP library to `limit` threads (`lower_only`: those above it);
+    what was lowered and what was kept below, as ``"openblas 8 -> 2"`` and ``"openblas at 1"``."""
+    from threadpoolctl import ThreadpoolController
+
+    lowered, kept = [], []
+    for library in ThreadpoolController().lib_controllers:
+        name, threads = library.internal_api, library.num_threads
+        if lower_only and threads <= limit:
+            if threads < limit:
+                kept.append(f"{name} at {threads} (set lower before)")
+            continue
+        library.set_num_threads(limit)
+        lowered.append(f"{name} {threads} -> {limit}")
+    return lowered, kept
 
 
 def decision() -> str:

@@ -4,7 +4,13 @@ This is the bottom of the library: it knows requests, buffers and deadlines, not
 communicators.  Every Work is owned by a process-wide registry from the moment it starts until
 it completes, whether or not its caller keeps the handle: MPI forbids freeing an incomplete
 request, and buffers freed while MPI still writes them corrupt memory.  The registry is
-progressed at library calls and completed at exit, before MPI finalizes.
+progressed at library calls (every so many starts, so a completed operation's buffers are
+released even when nobody waits for it) and completed at exit, before MPI finalizes.
+
+Threads: under ``MPI_THREAD_MULTIPLE`` (mpi4py's default) any thread may start, test and wait
+for library operations, a Work started in one thread may be waited for in another, and one
+request is never tested by two threads at once (MPI forbids it): a thread that finds another
+testing it skips it.  Under a lower thread level, use the library from one thread.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import atexit
 import math
 import os
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, Protocol
@@ -36,27 +43,38 @@ _MIN_SLEEP_S = 1e-5
 _MAX_SLEEP_S = 2.5e-4
 _POLL_EVERY = 64  # tests between two looks for failure notices while spinning
 _REPORT_GRACE_S = 0.5  # between printing a timeout report and aborting
-_PROGRESS_AT = 32  # pending operations from which a new one first tests them all
+_PROGRESS_EVERY = 32  # starts between two tests of every pending operation, at least
 
 _LIKELY_CAUSES = (
     "Likely causes: (1) a joinable missing from the Join's list, so joined ranks do not "
     "shadow its collectives (Join([dp, opt]) with every optimizer, ZeroRedundancyOptimizer "
     "and JoinableComm in it); (2) a collective of your own (comm.Allreduce, comm.bcast, ...) "
     "inside a Join, which joined ranks cannot shadow: use a JoinableComm; (3) dp.step() with "
-    "uneven inputs outside a Join; (4) a rank that stalls or died outside the library. "
-    "TENSORPLAY_MPI_DEBUG=1 names the first mismatched collective."
+    "uneven inputs outside a Join; (4) a rank that stalls or died outside the library."
 )
+_DEBUG_HINT = " TENSORPLAY_MPI_DEBUG=1 names the first mismatched library collective."
+
+
+def likely_causes() -> str:
+    """Why a library wait may never end (debug mode suggested only when it is off)."""
+    return _LIKELY_CAUSES + ("" if settings().debug else _DEBUG_HINT)
 
 
 class Poller(Protocol):
     """What a Work polls while it waits (the guard of its communicator)."""
 
+    broken: str | None
+    """Why the communicator is unusable (its operations can never complete), else None."""
+
     def poll(self, what: str, since: float) -> None:
         """Raise if another rank reported a failure."""
 
+    def report_stall(self, what: str, waited: float) -> None:
+        """Say, once, that this rank has waited `waited` s for `what` (and for which ranks)."""
+
 
 _pending: dict[int, Work] = {}  # id -> Work, in start order; strong references
-_progress_at = _PROGRESS_AT  # doubles while operations stay pending: amortised O(1) a start
+_starts = 0  # operations started since the registry was last progressed
 
 
 class Work:
@@ -81,7 +99,8 @@ class Work:
         The :meth:`result` when there is no `finish`.
     """
 
-    __slots__ = ("_request", "_what", "_keep", "_finish", "_result", "_done", "poller")
+    __slots__ = ("_request", "_what", "_keep", "_finish", "_result", "_done", "_testing",
+                 "poller")
 
     def __init__(self, request: MPI.Request, what: str, keep: tuple = (),
                  finish: Callable[[], Any] | None = None, poller: Poller | None = None,
@@ -92,8 +111,11 @@ class Work:
         self._finish = finish
         self._result: Any = value
         self._done = False
+        self._testing = threading.Lock()  # held by the one thread testing the request
         self.poller = poller
-        if len(_pending) >= _progress_at:  # dropped Works do not pile up
+        global _starts
+        _starts += 1
+        if _starts >= max(_PROGRESS_EVERY, len(_pending)):  # amortised O(1) a start
             progress_pending()
         _pending[id(self)] = self
 
@@ -107,9 +129,17 @@ class Work:
         return self._what
 
     def is_completed(self) -> bool:
-        """Test for completion without blocking (this also drives MPI progress)."""
-        if not self._done and self._request.Test():
-            self._complete()
+        """Test for completion without blocking (this also drives MPI progress).
+
+        False while another thread is testing the same request.
+        """
+        if self._done or not self._testing.acquire(blocking=False):
+            return self._done
+        try:
+            if not self._done and self._request.Test():
+                self._complete()
+        finally:
+            self._testing.release()
         return self._done
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -161,16 +191,18 @@ class Work:
             report_and_abort(CollectiveTimeoutError(
                 f"rank {MPI.COMM_WORLD.Get_rank()}: {self._what} did not complete after "
                 f"{time.monotonic() - start:.1f} s (timeout {timeout:g} s); aborting the job. "
-                + _LIKELY_CAUSES))
+                + likely_causes()))
         return True
 
     def wait_until(self, timeout: float, poll: bool = True) -> bool:
         """Test until completion (True) or until `timeout` s pass (False); never raises a
-        timeout.  `poll` False skips failure notices (the failure protocol's own waits)."""
+        timeout.  `poll` False skips failure notices and stall reports (the failure protocol's
+        own waits).  A wait longer than ``$TENSORPLAY_MPI_STALL`` s is reported once."""
         if self.is_completed():
             return True
         poller = self.poller if poll else None
         start = time.monotonic()
+        stall = settings().stall if poll else 0.0
         spin, sized = _SPIN_S, False
         sleep, tests = _MIN_SLEEP_S, 0
         while not self.is_completed():
@@ -178,6 +210,9 @@ class Work:
             waited = time.monotonic() - start
             if waited >= timeout:
                 return False
+            if stall and waited >= stall:
+                stall = 0.0  # once per wait
+                _report_stall(self._what, waited, poller)
             if waited >= spin and not sized:  # sized only when needed: most waits end sooner
                 spin += sum(getattr(b, "nbytes", 0) for b in self._keep) / _SPIN_BYTES_PER_S
                 sized = True
@@ -212,6 +247,15 @@ class Work:
         self._keep, self._finish = (), None
 
 
+def _report_stall(what: str, waited: float, poller: Poller | None) -> None:
+    if poller is not None:
+        poller.report_stall(what, waited)  # asks the other ranks where they are, then prints
+        return
+    sys.stderr.write(f"tensorplay_mpi: rank {MPI.COMM_WORLD.Get_rank()} has waited "
+                     f"{waited:.0f} s for {what}; still waiting. {likely_causes()}\n")
+    sys.stderr.flush()
+
+
 def report_and_abort(error: BaseException) -> None:
     """Print `error` with the stack that led to it, abort the job, and raise `error` should
     the abort return.
@@ -235,18 +279,19 @@ def outstanding_requests() -> int:
 
 
 def progress_pending() -> None:
-    """Test every pending operation once, completing those that are done.  Each new Work does
-    it while many are pending, so dropped Works do not pile up."""
-    global _progress_at
+    """Test every pending operation once, completing those that are done (and releasing their
+    buffers).  New Works do it every ``max(32, pending)`` starts, so dropped Works do not pile
+    up, at an amortised O(1) a start."""
+    global _starts
+    _starts = 0
     for work in list(_pending.values()):
         work.is_completed()
-    _progress_at = max(_PROGRESS_AT, 2 * len(_pending))
 
 
 def complete_pending(poller: Poller | None, timeout: float) -> None:
     """Wait for every pending operation polled by `poller` (the operations of one guarded
     communicator), in start order; abort the job if one does not complete within `timeout`."""
-    for work in [w for w in _pending.values() if w.poller is poller]:
+    for work in [w for w in list(_pending.values()) if w.poller is poller]:
         work.wait_or_abort(timeout)
 
 
@@ -256,11 +301,14 @@ def _complete_all_at_exit() -> None:
         return
     deadline = time.monotonic() + settings().grace
     for work in list(_pending.values()):
-        if not work.wait_until(max(0.0, deadline - time.monotonic()), poll=False):
-            report_and_abort(RuntimeError(
-                f"rank {MPI.COMM_WORLD.Get_rank()}: the process exits with {len(_pending)} "
-                f"library operation(s) that other ranks never matched ({work.what} first); "
-                "aborting so that the job ends"))
+        broken = getattr(work.poller, "broken", None)  # then it can never complete: no wait
+        if broken is None and work.wait_until(max(0.0, deadline - time.monotonic()), poll=False):
+            continue
+        why = (f"on a communicator left unusable by {broken}" if broken is not None
+               else "that other ranks never matched")
+        report_and_abort(RuntimeError(
+            f"rank {MPI.COMM_WORLD.Get_rank()}: the process exits with {len(_pending)} library "
+            f"operation(s) {why} ({work.what} first); aborting so that the job ends"))
 
 
 atexit.register(_complete_all_at_exit)  # after mpi4py's own: runs before MPI_Finalize

@@ -12,13 +12,17 @@ __all__ = ["assert_all", "raises_everywhere", "PATTERNS", "inputs_of", "active_c
            "rss_bytes", "buckets_of"]
 
 
-def results(stdout):
-    """{rank: outcome} from the ``RESULT rank=R outcome`` lines of a program's ranks.
+_LABELS = ("RESULT", "WENT ON", "FOLLOWUP")
+
+
+def results(stdout, label="RESULT"):
+    """{rank: outcome} from the ``LABEL rank=R outcome`` lines of a program's ranks.
 
     mpiexec may join two ranks' lines without a newline, so an outcome ends at the next
-    ``RESULT rank=``/``WENT ON rank=`` or at the end of the line.
+    labelled ``rank=`` or at the end of the line.
     """
-    found = re.findall(r"RESULT rank=(\d+) (.*?)(?=RESULT rank=|WENT ON rank=|$)", stdout, re.M)
+    ends = "|".join(f"{other} rank=" for other in _LABELS)
+    found = re.findall(rf"{label} rank=(\d+) (.*?)(?={ends}|$)", stdout, re.M)
     return {int(rank): text for rank, text in found}
 
 

@@ -53,6 +53,25 @@ def test_a_stalled_rank_times_out_with_a_report_and_an_abort(nprocs):
         assert int(rank) != 1 and "iteration 3" in what and float(waited) >= 2.0
 
 
+def test_a_stalled_wait_is_reported_once_with_where_every_rank_is():
+    result, _ = run_failing(3, "stall", timeout=60, TENSORPLAY_MPI_TIMEOUT="8",
+                            TENSORPLAY_MPI_STALL="2")
+    reports = re.findall(r"tensorplay_mpi: rank (\d+) has waited \d+ s for (.*?) \(collective "
+                         r"\d+ on its communicator\); still waiting.*", result.stderr)
+    assert sorted(rank for rank, _ in reports) == ["0", "2"], result.stderr  # once each
+    for line in re.findall(r"tensorplay_mpi: rank \d+ has waited.*", result.stderr):
+        assert "iteration 3" in line and "Not in a library wait: ranks [1]" in line, line
+        assert re.search(r"Waiting for the same collective: ranks \[[02]\]", line), line
+        assert "a collective of your own" in line and "use a JoinableComm" in line, line
+    assert result.stderr.index("has waited") < result.stderr.index("CollectiveTimeoutError")
+
+
+def test_stall_reports_can_be_turned_off():
+    result, _ = run_failing(2, "stall", timeout=60, TENSORPLAY_MPI_TIMEOUT="4",
+                            TENSORPLAY_MPI_STALL="0")
+    assert "CollectiveTimeoutError" in result.stderr and "has waited" not in result.stderr
+
+
 @pytest.mark.parametrize("nprocs", RANKS)
 def test_an_extra_collective_in_debug_mode_is_a_mismatch_on_every_rank(nprocs):
     result, elapsed = run_failing(nprocs, "mismatch", TENSORPLAY_MPI_DEBUG="1")
@@ -106,10 +125,15 @@ def test_in_a_step_without_a_join_every_peer_raises_a_peer_failure_error():
                                          "ValueError: boom in a step without a Join"), outcomes
 
 
+@pytest.mark.parametrize("mode, report", [
+    ("uncaught", "rank 1: uncaught ValueError: aborting the MPI job"),
+    ("exit", "rank 1: sys.exit(3): aborting the MPI job"),
+])
 @pytest.mark.parametrize("opt_out, ends", [("1", True), ("0", False)])
-def test_an_uncaught_exception_without_mpi4py_run_aborts_the_job(opt_out, ends):
-    """Without ``-m mpi4py`` the library's excepthook aborts (TENSORPLAY_MPI_EXCEPTHOOK=0: not)."""
-    cmd = [mpiexec_path(), "-n", "2", sys.executable, MISUSE, "uncaught"]
+def test_an_uncaught_exception_without_mpi4py_run_aborts_the_job(opt_out, ends, mode, report):
+    """Without ``-m mpi4py`` the library's excepthook and ``sys.exit`` abort on one rank's
+    error (TENSORPLAY_MPI_EXCEPTHOOK=0: they do not)."""
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, MISUSE, mode]
     env = dict(os.environ, TENSORPLAY_MPI_EXCEPTHOOK=opt_out)
     start = time.monotonic()
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -123,14 +147,63 @@ def test_an_uncaught_exception_without_mpi4py_run_aborts_the_job(opt_out, ends):
         return
     assert ends, "the job ended although the excepthook was turned off"
     assert job.returncode != 0 and time.monotonic() - start < 15
-    assert "ValueError: boom between epochs" in stderr, stderr
-    assert "rank 1: uncaught ValueError: aborting the MPI job" in stderr, stderr
+    assert mode == "exit" or "ValueError: boom between epochs" in stderr, stderr
+    assert report in stderr, stderr
 
 
-def test_a_timeout_names_the_likely_causes_and_nothing_follows_it():
-    result = run_mpi(2, [MISUSE, "own"], timeout=60, TENSORPLAY_MPI_TIMEOUT="3")
+def test_sys_exit_0_inside_a_join_on_one_rank_ends_the_job_at_once_and_says_why():
+    start = time.monotonic()
+    result = run_mpi(2, [MISUSE, "exit0"], timeout=60)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0 and elapsed < 8, (elapsed, result.stderr)
+    assert results(result.stdout)[0].startswith(
+        "PeerFailureError: rank 0: rank 1 failed with SystemExit: 0"), result.stdout
+    assert "unusable by a failure on rank(s) [1] (SystemExit)" in result.stderr, result.stderr
+    assert "never matched" not in result.stderr, result.stderr
+
+
+def test_a_sys_exit_in_a_thread_does_not_abort_a_job_that_ends_normally():
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, MISUSE, "exit_thread"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert results(result.stdout) == {0: "ok", 1: "ok"}, result.stdout
+
+
+def test_a_rank_that_comes_to_the_agreement_after_the_grace_gets_the_same_verdict():
+    start = time.monotonic()
+    result = run_mpi(2, [MISUSE, "late"], timeout=60, TENSORPLAY_MPI_GRACE="2")
+    elapsed = time.monotonic() - start
+    outcomes = results(result.stdout)
+    assert result.returncode != 0 and elapsed < 20, (elapsed, result.stdout, result.stderr)
+    for rank in (0, 1):
+        assert outcomes[rank].startswith("RuntimeError: ") and "unusable" in outcomes[rank], \
+            outcomes
+
+
+def test_an_operation_pending_when_the_communicator_breaks_fails_at_once():
+    start = time.monotonic()
+    result = run_mpi(2, [MISUSE, "continue"], timeout=60, TENSORPLAY_MPI_TIMEOUT="30")
+    elapsed = time.monotonic() - start
+    outcomes = results(result.stdout)
+    assert result.returncode != 0 and elapsed < 15, (elapsed, result.stdout, result.stderr)
+    assert outcomes[1] == "ValueError: bad batch on rank 1", outcomes
+    assert outcomes[0].startswith("RuntimeError: rank 0: heartbeat (iteration 3) cannot "
+                                  "complete: the communicator is unusable"), outcomes
+
+
+def test_a_work_waited_for_in_another_thread_is_never_tested_by_two_threads_at_once():
+    result = run_mpi(2, [str(Path(__file__).parent / "programs" / "threads.py")], timeout=90)
+    assert results(result.stdout) == {0: "ok", 1: "ok"}, (result.stdout, result.stderr)
+
+
+@pytest.mark.parametrize("debug", ["0", "1"])
+def test_a_timeout_names_the_likely_causes_and_nothing_follows_it(debug):
+    result = run_mpi(2, [MISUSE, "own"], timeout=60, TENSORPLAY_MPI_TIMEOUT="3",
+                     TENSORPLAY_MPI_DEBUG=debug)
     assert result.returncode != 0, result.stdout
     assert "CollectiveTimeoutError" in result.stderr, result.stderr
     assert "a joinable missing from the Join's list" in result.stderr
     assert "a collective of your own" in result.stderr
     assert "has not completed yet" not in result.stderr, result.stderr
+    suggested = "TENSORPLAY_MPI_DEBUG=1 names" in result.stderr
+    assert suggested == (debug == "0"), "debug mode suggested while on, or not while off"

@@ -145,6 +145,18 @@ def test_a_dropped_work_keeps_its_buffers_until_the_operation_completes(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_completed_operations_are_released_without_anyone_waiting_for_them(comm):
+    if comm.rank == 0:
+        time.sleep(0.2)  # the dropped operations stay pending for a while on the others
+    for _ in range(100):
+        iallreduce(comm, np.ones(1 << 15), np.empty(1 << 15))  # dropped at once
+    for _ in range(1000):
+        iallreduce(comm, np.ones(1), np.empty(1)).wait()
+    pending = outstanding_requests()
+    assert_all(pending == 0, f"{pending} completed operations (and their buffers) still held")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_after_every_rank_fails_alike_every_pending_operation_completes(comm):
     jc = JoinableComm(comm)
     caught = None

@@ -58,7 +58,9 @@ def test_hooks_are_built_in_init_with_every_kwarg(comm):
 def test_notify_outside_the_block_returns_none(comm):
     joinable = AllReducer(comm)
     join = Join([joinable])
-    assert Join.notify_join_context(joinable) is None  # built but not entered
+    with pytest.raises(RuntimeError, match="never entered.*`with Join"):
+        Join.notify_join_context(joinable)  # built but not entered: a forgotten `with`
+    assert Join.notify_join_context(joinable) is None  # said once
     with join:
         assert isinstance(Join.notify_join_context(joinable), Work)
     assert Join.notify_join_context(joinable) is None  # configs reset on exit

@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 from ..comm import Work, check_comm, default_comm, iallgather, resolve_timeout
 from ..guard import Guard
+from ..settings import settings
 from ..threads import limit_threads
 from .join import Joinable
 
@@ -51,6 +52,7 @@ class CommJoinable(Joinable):
         self.comm = check_comm(default_comm() if comm is None else comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.device = device
+        settings()  # a bad environment value raises here, before anything starts
         self._guard = Guard.attach(self.comm)  # collective first: a bad timeout on one rank
         limit_threads(self.comm)  # must not leave the others waiting in it
         self.timeout = resolve_timeout(timeout)

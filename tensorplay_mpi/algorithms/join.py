@@ -5,11 +5,12 @@ all nonblocking; the documentation's "Wire protocol" page has every joinable's s
 
 - active rank, each iteration: every joinable's :meth:`Joinable.end_iteration` (list order),
   then ``Iallreduce([1], SUM)`` (the heartbeat), then the iteration's collectives, joinable by
-  joinable in list order;
+  joinable in list order; a rank with a pending stop request (:mod:`tensorplay_mpi.stopping`)
+  sends ``1 + 2**32`` instead, so the sum's high half counts the ranks that ask to stop;
 - on leaving the block: every ``end_iteration`` once more, then the joined loop.  Joined rank,
-  each round: ``Iallreduce([0], SUM)`` + wait gives the number of active ranks ``n``; ``n == 0``
-  ends the loop, else every main hook shadows one active iteration, in list order; then every
-  post hook once, in list order;
+  each round: ``Iallreduce([0], SUM)`` (``2**32`` with a stop request) + wait gives the
+  number of active ranks ``n`` (the low half); ``n == 0`` ends the loop, else every main hook
+  shadows one active iteration, in list order; then every post hook once, in list order;
 - throw mode adds one pair per iteration: active ``Iallreduce([0])`` + wait (raise if > 0),
   joined ``Iallreduce([1])`` + wait, then raise
   :class:`~tensorplay_mpi.errors.EarlyTerminationError`.
@@ -28,6 +29,8 @@ from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
 from ..guard import Guard
+from ..settings import settings
+from ..stopping import stop_requested
 from ..threads import limit_threads
 from ..work import complete_pending
 
@@ -36,8 +39,17 @@ __all__ = ["Join", "Joinable", "JoinHook"]
 SKEW_WARN_ROUNDS = 1000
 """A joined rank that shadows more rounds than this warns once about the input skew."""
 
-_ONE = np.ones(1, dtype=np.int64)
-_ONE.flags.writeable = False  # shared read-only send buffer of every heartbeat
+_STOP = 1 << 32
+"""What a stop request adds to a heartbeat or poll: the sum's high half counts the requests."""
+
+
+def _constant(value: int) -> np.ndarray:
+    array = np.full(1, value, dtype=np.int64)
+    array.flags.writeable = False  # shared read-only send buffer of every heartbeat
+    return array
+
+
+_HEARTBEAT = {False: _constant(1), True: _constant(1 + _STOP)}  # by "a stop is requested"
 
 
 class JoinHook:
@@ -72,6 +84,7 @@ class Joinable(ABC):
     def __init__(self) -> None:
         super().__init__()
         self._bound_join: Join | None = None
+        self._made_join: Join | None = None  # the latest Join made with it, until entered
 
     @abstractmethod
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -105,10 +118,6 @@ class Joinable(ABC):
         """
 
 
-def _first_int(buf: np.ndarray) -> int:
-    return int(buf[0])
-
-
 def _bound_join(joinable: Joinable) -> "Join | None":
     try:
         return joinable._bound_join
@@ -118,6 +127,19 @@ def _bound_join(joinable: Joinable) -> "Join | None":
             f"{name} does not call the Joinable constructor: add super().__init__() "
             f"(or Joinable.__init__(self)) to {name}.__init__"
         ) from None
+
+
+def _check_not_forgotten(joinable: Joinable) -> None:
+    """Raise if a Join was made with `joinable` and never entered: its iterations would run
+    without the protocol (uneven inputs hang), silently."""
+    made = joinable._made_join
+    if made is not None and made._enable:
+        joinable._made_join = None  # said once
+        name = type(joinable).__name__
+        raise RuntimeError(
+            f"a Join was made with this {name} but never entered, so its iterations run "
+            f"outside any Join: use the Join as a context manager, `with Join([...]):` "
+            f"(a bare Join(...) or dp.join() call does nothing)")
 
 
 class Join:
@@ -164,6 +186,21 @@ class Join:
     block propagates unchanged and no hook runs; the other ranks learn of it inside their
     next library wait and raise :class:`~tensorplay_mpi.errors.PeerFailureError` (see
     :mod:`tensorplay_mpi.guard`).
+
+    A stop request on any rank (a signal under :func:`~tensorplay_mpi.stop_on_signals`, or
+    :func:`~tensorplay_mpi.request_stop`) rides in the next heartbeat: :attr:`stopped`
+    becomes true on every rank at the same iteration.  A loop that checks it at the top of
+    each iteration leaves the block on every rank at one iteration boundary, as ranks leave
+    when their inputs run out::
+
+        with stop_on_signals():
+            with Join([dp, opt]) as join:
+                for batch in my_batches:
+                    if join.stopped:
+                        break
+                    ...
+            if join.stopped:
+                save_checkpoint(...)
 
     Examples
     --------
@@ -238,8 +275,12 @@ class Join:
         self._count = np.zeros(1, dtype=np.int64)  # the one buffer of every poll/throw pair
         self._guard: Guard | None = None
         self._iterations = 0  # heartbeats sent
+        self._stops = 0  # the most ranks any completed heartbeat or poll said asked to stop
+        self._asked: str | None = None  # this rank's request, once a heartbeat or poll sent it
         self._entered = False
         self._joining = False
+        for joinable in self._joinables:
+            joinable._made_join = self
 
     def _check_joinables(self) -> None:
         if not self._joinables:
@@ -271,10 +312,12 @@ class Join:
                     "two Joins cannot share a joinable"
                 )
         self._entered = True
+        settings()  # a bad environment value raises here, before anything starts
         self._guard = Guard.attach(self._comm)
         limit_threads(self._comm)
         for joinable in self._joinables:
             joinable._bound_join = self
+            joinable._made_join = None
         return self
 
     # -- the public view joinables read -----------------------------------------------------
@@ -306,6 +349,29 @@ class Join:
         heartbeat.wait_or_abort(self._timeout)
         return heartbeat.result()
 
+    @property
+    def stopped(self) -> bool:
+        """Whether a heartbeat of this Join carried a stop request of any rank.
+
+        The same on every rank at the same iteration: it reads the latest heartbeat (waiting
+        for it if needed), so check it at the top of an iteration.  After the block, true on
+        every rank iff any heartbeat or poll of the Join carried a request.  Always false
+        when the Join is disabled (no heartbeat carries anything).
+        """
+        if self._enable and not self._joining and self._heartbeats:
+            self._heartbeats[-1].wait_or_abort(self._timeout)
+        return self._stops > 0
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the Join stopped, when :attr:`stopped`: this rank's own request (``"SIGTERM"``,
+        ...) or how many other ranks asked; else ``None``."""
+        if not self.stopped:
+            return None
+        if self._asked is not None:
+            return self._asked
+        return f"a stop requested by {self._stops} other rank(s)"
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             if not self._enable:  # inert: started nothing, agrees on nothing
@@ -325,6 +391,7 @@ class Join:
                 joinable._bound_join = None
             if self._guard is not None:
                 self._guard.forget_settled()  # the exception, its frames and their objects
+                self._guard.drain()  # stall questions that came while this rank computed
 
     def _settle(self, error: BaseException) -> None:
         """The failure path: agree with every rank; when every rank failed on its own, complete
@@ -356,9 +423,15 @@ class Join:
             In throw mode, when some rank has run out of inputs.
         TypeError
             If `joinable` skipped ``Joinable.__init__``.
+        RuntimeError
+            Outside a Join, if the latest Join made with `joinable` was never entered (a
+            ``Join([...])`` or ``dp.join()`` written without ``with``).
         """
         join = _bound_join(joinable)
-        if join is None or join._joinables[0] is not joinable:
+        if join is None:
+            _check_not_forgotten(joinable)
+            return None
+        if join._joinables[0] is not joinable:
             return None
         if not join._enable or join._joining:
             return None
@@ -369,15 +442,26 @@ class Join:
         self._heartbeats = [w for w in self._heartbeats if not w.is_completed()]
         self._iterations += 1
         recv = np.empty(1, dtype=np.int64)
-        work = iallreduce(self._comm, _ONE, recv, MPI.SUM,
-                          f"heartbeat (iteration {self._iterations})", finish=_first_int)
+        work = iallreduce(self._comm, _HEARTBEAT[self._asks_to_stop()], recv, MPI.SUM,
+                          f"heartbeat (iteration {self._iterations})", finish=self._read_count)
         self._heartbeats.append(work)
         if self._throw_on_early_termination and self._sum_over_ranks(
-                0, f"throw check (iteration {self._iterations})") > 0:
+                0, f"throw check (iteration {self._iterations})")[0] > 0:
             raise EarlyTerminationError(
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks."
             )
         return work
+
+    def _asks_to_stop(self) -> bool:
+        """Whether this rank's next heartbeat or poll carries a stop request (noting why)."""
+        self._asked = self._asked or stop_requested()
+        return self._asked is not None
+
+    def _read_count(self, buf: np.ndarray) -> int:
+        """The number of active ranks in a heartbeat's or poll's sum; notes the stop requests."""
+        total = int(buf[0])
+        self._stops = max(self._stops, total >> 32)
+        return total & (_STOP - 1)
 
     def _finish_iterations(self) -> None:
         for joinable in self._joinables:
@@ -389,11 +473,11 @@ class Join:
             work.wait_or_abort(self._timeout)
         self._heartbeats.clear()
 
-    def _sum_over_ranks(self, value: int, what: str) -> int:
+    def _sum_over_ranks(self, value: int, what: str) -> np.ndarray:
         self._count[0] = value
         iallreduce(self._comm, MPI.IN_PLACE, self._count, MPI.SUM, what).wait_or_abort(
             self._timeout)
-        return int(self._count[0])
+        return self._count
 
     def _join_loop(self) -> None:
         self._joining = True  # hooks calling notify_join_context get None from here on
@@ -410,7 +494,9 @@ class Join:
                     "degradation.",
                     stacklevel=3,
                 )
-            if self._sum_over_ranks(0, f"poll (round {rounds + 1} after joining)") == 0:
+            stop = _STOP if self._asks_to_stop() else 0
+            if self._read_count(self._sum_over_ranks(
+                    stop, f"poll (round {rounds + 1} after joining)")) == 0:
                 break
             if self._throw_on_early_termination:
                 self._sum_over_ranks(1, "throw notice")

@@ -16,13 +16,14 @@ counts included) stay bitwise identical on every rank.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.join import Join, Joinable, JoinHook
-from ..buffers import device_of, zeros_like
+from ..buffers import check_disjoint, device_of, zeros_like
 from ..comm import check_comm, default_comm
 from ..parallel.buckets import GradientViews
 from ..tensors import as_arrays
@@ -34,7 +35,8 @@ __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
 
 
 def check_params(params: list[Any], grads: list[Any]) -> None:
-    """Raise unless `params` are writable, C-contiguous floating arrays shaped like `grads`."""
+    """Raise unless `params` are writable, C-contiguous floating arrays shaped like `grads`,
+    and no two of the params and grads share memory."""
     if len(params) != len(grads):
         raise ValueError(f"got {len(params)} params but {len(grads)} grads")
     for i, (p, g) in enumerate(zip(params, grads)):
@@ -45,6 +47,7 @@ def check_params(params: list[Any], grads: list[Any]) -> None:
         if not (p.flags.c_contiguous and is_writeable(p)):
             raise ValueError(f"params[{i}] must be C-contiguous and writable (it is updated "
                              "in place)")
+    check_disjoint(params=params, grads=grads)
 
 
 def is_writeable(array: Any) -> bool:
@@ -56,6 +59,11 @@ def comm_of_grads(grads: Any) -> MPI.Intracomm:
     views = GradientViews.of(grads)
     owner = None if views is None else views.owner
     return default_comm() if owner is None else owner.comm
+
+
+def _values(group: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters of `group` that are values, not schedules (callables)."""
+    return {k: v for k, v in group.items() if not callable(v)}
 
 
 def _zeros_like(p: Any) -> Any:
@@ -110,9 +118,9 @@ class Optimizer(Joinable):
         self._flat = [p.reshape(-1) for p in self.params]  # views: a 0-d param is (1,)
         self._flat_state = [{k: a.reshape(-1) for k, a in s.items()} for s in self.state]
         self._scratch = rules.Scratch()
-        if self._grad_views is not None and self.state_names:
-            self._grad_views.add_consumer(self)  # DataParallel then checks its Joins for us
-        self._checked_join: Join | None = None
+        if self._grad_views is not None:  # DataParallel then checks its Joins for us
+            self._grad_views.bind(self, must_join=bool(self.state_names))
+        self._checked_join: weakref.ref | None = None  # weak: the Join's hook holds self
 
     def step(self) -> None:
         """Update every parameter in place from its gradient (local: no communication)."""
@@ -148,23 +156,32 @@ class Optimizer(Joinable):
         return sum(a.nbytes for state in self.state for a in state.values())
 
     def state_dict(self) -> dict[str, Any]:
-        """A copy: ``{"optimizer", "defaults", "param_groups", "steps", "state": {i: {...}}}``."""
+        """A copy: ``{"optimizer", "defaults", "param_groups", "schedules", "steps", "state":
+        {i: {...}}}``.
+
+        A callable hyperparameter (a schedule, ``lr=lambda step: ...``) is code, not state: it
+        is left out, so that the state dict pickles, and named in ``"schedules"``;
+        :meth:`load_state_dict` keeps the loading optimizer's own schedule for it.
+        """
+        groups = [self.defaults, *self.param_groups]
         return {
             "optimizer": type(self).__name__,
-            "defaults": dict(self.defaults),
-            "param_groups": [dict(group) for group in self.param_groups],
+            "defaults": _values(self.defaults),
+            "param_groups": [_values(group) for group in self.param_groups],
+            "schedules": sorted({k for group in groups for k, v in group.items() if callable(v)}),
             "steps": self.steps,
             "state": {i: {k: a.copy() for k, a in s.items()} for i, s in enumerate(self.state)},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict` (copies it in; hyperparameters included).
+        """Load a :meth:`state_dict` (copies it in; hyperparameters included, except the
+        schedules, which stay this optimizer's own).
 
         Raises
         ------
         ValueError
             If it is for another optimizer class, another number of parameters, or another
-            state shape.
+            state shape, or it names a schedule that this optimizer does not have.
         """
         if state_dict["optimizer"] != type(self).__name__:
             raise ValueError(f"state dict of {state_dict['optimizer']} loaded into "
@@ -179,11 +196,19 @@ class Optimizer(Joinable):
                 if shape != array.shape:
                     raise ValueError(f"state[{i}][{name!r}] has shape {shape}, expected "
                                      f"{array.shape}")
+        schedules = {k: v for k, v in self.param_groups[0].items() if callable(v)}
+        missing = [k for k in state_dict.get("schedules", ()) if k not in schedules]
+        if missing:
+            raise ValueError(f"the state dict was saved with a schedule (a callable) for "
+                             f"{missing}, which a state dict does not store: construct this "
+                             "optimizer with the same schedule, then load")
         for i, mine in enumerate(self.state):
             for name, array in mine.items():
                 array[...] = state[i][name]
-        self.defaults = dict(state_dict["defaults"])
-        self.param_groups = [dict(g) for g in state_dict.get("param_groups", [self.defaults])]
+        own_defaults = {k: v for k, v in self.defaults.items() if callable(v)}
+        self.defaults = {**state_dict["defaults"], **own_defaults}
+        self.param_groups = [{**g, **schedules}
+                             for g in state_dict.get("param_groups", [self.defaults])]
         self.steps = int(state_dict["steps"])
 
     # -- Joinable ------------------------------------------------------------------------------
@@ -202,9 +227,9 @@ class Optimizer(Joinable):
     def end_iteration(self) -> None:
         """Check once per Join, on every rank, that the joinable writing the grads comes first."""
         join = self.join_context
-        if join is not None and join is not self._checked_join:
+        if join is not None and (self._checked_join is None or self._checked_join() is not join):
             self._check_place(join.joinables)
-            self._checked_join = join
+            self._checked_join = weakref.ref(join)
 
     def _check_place(self, joinables: tuple[Joinable, ...]) -> None:
         me = next(k for k, j in enumerate(joinables) if j is self)

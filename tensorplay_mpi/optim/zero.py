@@ -102,8 +102,7 @@ class ZeroRedundancyOptimizer(CommJoinable):
         self._consolidated: dict[str, Any] | None = None
         bound = GradientViews.of(views)
         if bound is not None:  # DataParallel's Joins must list this optimizer, which steps
-            bound.discard_consumer(self.local)  # its shard optimizer
-            bound.add_consumer(self)
+            bound.bind(self, must_join=True)  # in place of its shard optimizer
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -141,7 +140,7 @@ class ZeroRedundancyOptimizer(CommJoinable):
         if not 0 <= to < self.size:
             raise ValueError(f"to must be a rank in [0, {self.size}), got {to!r}")
         mine = self.local.state_dict()
-        full = {k: mine[k] for k in ("optimizer", "defaults", "steps")}
+        full = {k: mine[k] for k in ("optimizer", "defaults", "schedules", "steps")}
         full["state"] = {i: mine["state"][k] for k, i in enumerate(self.shard)}
         works: list[Work] = []
         for i, owner in enumerate(self.owners):

@@ -90,14 +90,16 @@ class GradientViews(Sequence):
     (use it as ``out=``, or write ``grads[i][...] = g``); ``grads[i] = g`` copies `g` into it
     after checking its shape.
 
-    Stateful optimizers bound to these gradients register as consumers: every Join of their
-    DataParallel must list them too (:meth:`check_consumers`).
+    The optimizer bound to these gradients last is the one that steps with them: binding a
+    new one (``opt = SGD(params, dp.grads)`` after an Adam) replaces the previous one at once,
+    whatever still references it.  When it holds state, every Join of their DataParallel must
+    list it too (:meth:`check_optimizer`).
     """
 
     def __init__(self, views: list[np.ndarray], owner: Any = None) -> None:
         self._views = tuple(views)
         self._owner = None if owner is None else weakref.ref(owner)
-        self._consumers: list[weakref.ref] = []
+        self._optimizer: weakref.ref | None = None  # the optimizer bound last, if it must join
         self._checked: weakref.ref | None = None  # the Join checked last
         if self._views:
             _VIEWS_OF_MEMORY[_memory(self._views[0])] = self
@@ -113,39 +115,35 @@ class GradientViews(Sequence):
             return None
         return views if all(g is v for g, v in zip(grads, views)) else None
 
-    def discard_consumer(self, consumer: Any) -> None:
-        """Forget `consumer` (an optimizer that another one steps, as ZeRO's shard optimizer)."""
-        self._consumers = [ref for ref in self._consumers if ref() not in (None, consumer)]
-
-    def has_consumers(self) -> bool:
-        """Whether a live optimizer holding state steps with these gradients."""
-        return any(ref() is not None for ref in self._consumers)
-
     @property
     def owner(self) -> Any:
         """The DataParallel these gradients belong to (None if unknown or collected)."""
         return None if self._owner is None else self._owner()
 
-    def add_consumer(self, consumer: Any) -> None:
-        """Register `consumer` (an optimizer holding state): it must be in every Join."""
-        self._consumers = [ref for ref in self._consumers if ref() is not None]
-        self._consumers.append(weakref.ref(consumer))
+    def bind(self, optimizer: Any, must_join: bool) -> None:
+        """`optimizer` steps with these gradients from now on, replacing any bound before.
 
-    def check_consumers(self, join: Any) -> None:
-        """Raise ``RuntimeError`` if a live consumer is missing from `join` (once per Join).
+        `must_join`: it holds state (or communicates), so it must be in every Join.
+        """
+        self._optimizer = weakref.ref(optimizer) if must_join else None
+        self._checked = None
 
-        Deterministic from the Join's list, so every rank raises at the same point.
+    def stateful_optimizer(self) -> Any:
+        """The optimizer bound last, if it must be in every Join (else None)."""
+        return None if self._optimizer is None else self._optimizer()
+
+    def check_optimizer(self, join: Any) -> None:
+        """Raise ``RuntimeError`` if :meth:`stateful_optimizer` is missing from `join` (once
+        per Join).  Deterministic from the Join's list, so every rank raises at the same point.
         """
         if join is None or (self._checked is not None and self._checked() is join):
             return
-        for ref in self._consumers:
-            consumer = ref()
-            if consumer is not None and not any(j is consumer for j in join.joinables):
-                name = type(consumer).__name__
-                raise RuntimeError(
-                    f"{name} holds optimizer state and steps with dp.grads, but it is not in "
-                    f"the Join: ranks that join early would skip its steps and the replicas "
-                    f"would diverge. List it after DataParallel: Join([dp, opt])")
+        optimizer = self.stateful_optimizer()
+        if optimizer is not None and not any(j is optimizer for j in join.joinables):
+            raise RuntimeError(
+                f"{type(optimizer).__name__} holds optimizer state and steps with dp.grads, "
+                f"but it is not in the Join: ranks that join early would skip its steps and "
+                f"the replicas would diverge. List it after DataParallel: Join([dp, opt])")
         self._checked = weakref.ref(join)
 
     def __len__(self) -> int:

@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from ..algorithms.comm_joinable import CommJoinable
 from ..algorithms.join import Join, JoinHook
-from ..buffers import device_of, is_device_array
+from ..buffers import check_disjoint, device_of, is_device_array
 from ..comm import Work, iallreduce, ibcast
 from ..tensors import as_arrays, is_tensor, like
 from .buckets import GradientViews, make_buckets
@@ -106,6 +106,29 @@ class _Step:
         self.ready = np.zeros(params, dtype=bool)  # mark_ready flags per parameter
         self.unready = list(bucket_sizes)  # members not yet marked ready, per bucket
         self.works: list[Work] = []
+
+
+class _MustEnter:
+    """A context manager of ``dp`` that ``dp`` remembers until it is entered.
+
+    ``dp.step()`` or ``dp.no_sync()`` written without ``with`` does nothing; the next use of
+    ``dp`` (a step, ``mark_ready``, the Join's next heartbeat or its exit) raises instead, on
+    every rank, since every rank runs the same code.
+    """
+
+    __slots__ = ("_dp", "_manager", "usage")
+
+    def __init__(self, dp: "DataParallel", manager: Any, usage: str) -> None:
+        dp._check_entered()
+        self._dp, self._manager, self.usage = dp, manager, usage
+        dp._unentered = self
+
+    def __enter__(self) -> Any:
+        self._dp._unentered = None
+        return self._manager.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        return self._manager.__exit__(*exc_info)
 
 
 class DataParallel(CommJoinable):
@@ -189,6 +212,7 @@ class DataParallel(CommJoinable):
             check_unbound(given)
             self.buffers = _check_arrays(buffers, "buffers", floating=False)[1]
             self.device = _one_device(self.params + self.buffers)
+            check_disjoint(params=self.params, buffers=self.buffers)
             if not bucket_cap_mb > 0:
                 raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
             broadcast_from = _check_rank(broadcast_from, "broadcast_from", self.size)
@@ -206,6 +230,7 @@ class DataParallel(CommJoinable):
                                      DataParallel._accumulated if overlap else None, self)
 
         self._sync = True  # False inside no_sync()
+        self._unentered: _MustEnter | None = None  # a step() or no_sync() never entered
         self._steps = 0
         self._step: _Step | None = None  # the step in progress
         self._counts = np.zeros(4, dtype=np.int64)  # the step control's buffers
@@ -224,12 +249,25 @@ class DataParallel(CommJoinable):
         """Shorthand for ``Join([self], **kwargs)``."""
         return Join([self], **kwargs)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def _check_entered(self) -> None:
+        """Raise ``RuntimeError`` if a step() or no_sync() was called without ``with``."""
+        forgotten = self._unentered
+        if forgotten is not None:
+            self._unentered = None  # said once
+            raise RuntimeError(
+                f"dp.{forgotten.usage}() was called without `with`, so it did nothing (no "
+                f"gradient was averaged): write `with dp.{forgotten.usage}():`")
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Steps entered inside skip the gradient averaging; gradients accumulate locally.
 
-        Every active rank must use it for the same steps (checked when a rank has joined).
+        Use it as ``with dp.no_sync():`` around ``with dp.step():``.  Every active rank must
+        use it for the same steps (checked when a rank has joined).
         """
+        return _MustEnter(self, self._no_sync(), "no_sync")
+
+    @contextlib.contextmanager
+    def _no_sync(self) -> Iterator[None]:
         if self._step is not None:
             raise RuntimeError("no_sync() must be entered outside a step, around dp.step()")
         previous, self._sync = self._sync, False
@@ -243,15 +281,20 @@ class DataParallel(CommJoinable):
         for bucket in self._buckets:
             bucket.flat.fill(0)
 
-    @contextlib.contextmanager
-    def step(self) -> Iterator["DataParallel"]:
-        """One training step: heartbeat on enter; on exit every bucket is averaged.
+    def step(self) -> contextlib.AbstractContextManager["DataParallel"]:
+        """One training step, as ``with dp.step():``: heartbeat on enter; on exit every bucket
+        is averaged.
 
         Collective over ``comm``.  Inside a Join, ``dp`` must be its first joinable (it reads
         the heartbeat).  Outside a Join every rank is taken to be active: with uneven inputs
         the ranks with more batches then wait forever in their bucket allreduce, as they
-        would with plain MPI; use a Join.
+        would with plain MPI; use a Join.  Called without ``with`` it does nothing, and the
+        next use of ``dp`` raises ``RuntimeError``.
         """
+        return _MustEnter(self, self._run_step(), "step")
+
+    @contextlib.contextmanager
+    def _run_step(self) -> Iterator["DataParallel"]:
         if self._step is not None:
             raise RuntimeError("dp.step() is already active: steps cannot nest")
         heartbeat = Join.notify_join_context(self)
@@ -294,6 +337,7 @@ class DataParallel(CommJoinable):
         """
         step = self._step
         if step is None:
+            self._check_entered()
             raise RuntimeError("mark_ready() is only valid inside dp.step()")
         if not 0 <= index < len(self.params):
             raise IndexError(f"parameter index {index} out of range [0, {len(self.params)})")
@@ -355,7 +399,7 @@ class DataParallel(CommJoinable):
             raise RuntimeError(
                 f"{syncing} of {active} active ranks synchronise gradients in this step: every "
                 "active rank must use dp.no_sync() for the same steps")
-        if not syncing and self.grads.has_consumers():
+        if not syncing and self.grads.stateful_optimizer() is not None:
             raise RuntimeError(
                 "dp.no_sync() while a rank has joined, with a stateful optimizer in the Join: "
                 "joined ranks step the optimizer every round, so its state would diverge; "
@@ -440,9 +484,11 @@ class DataParallel(CommJoinable):
     # -- Joinable -----------------------------------------------------------------------------
 
     def end_iteration(self) -> None:
-        """Before each heartbeat, on every rank: every stateful optimizer bound to
-        ``dp.grads`` must be in the Join (``RuntimeError`` naming ``Join([dp, opt])``)."""
-        self.grads.check_consumers(self.join_context)
+        """Before each heartbeat, on every rank: the optimizer bound to ``dp.grads`` last, if
+        it holds state, must be in the Join (``RuntimeError`` naming ``Join([dp, opt])``), and
+        no ``dp.step()`` may have been called without ``with``."""
+        self._check_entered()
+        self.grads.check_optimizer(self.join_context)
 
     def join_hook(self, *, divide_by_initial_world_size: bool = True,
                   **kwargs: Any) -> JoinHook:

@@ -1,0 +1,97 @@
+"""Stop requests: a signal or a call asks this rank to stop; a Join makes it every rank's stop.
+
+A request is only a process-wide flag.  Nothing collective runs when it is made (a signal
+handler sets the flag and returns); the next heartbeat of an enabled
+:class:`~tensorplay_mpi.Join` carries it to every rank, which then sees
+:attr:`Join.stopped <tensorplay_mpi.Join.stopped>` become true at the same iteration.  The
+documentation's "Stopping and resuming" page has the whole loop, checkpoint included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from types import FrameType
+from typing import Iterable, Iterator
+
+__all__ = ["stop_on_signals", "request_stop", "stop_requested", "clear_stop", "STOP_SIGNALS"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+"""What Slurm sends at the time limit (SIGTERM), what ``--signal`` and ``scancel --signal``
+are usually set to send before it (SIGUSR1), and Ctrl-C (SIGINT)."""
+
+_request: str | None = None  # this rank's pending stop request: why
+
+
+def request_stop(reason: str = "request_stop()") -> None:
+    """Ask for a coordinated stop from this rank (the first request's reason is kept).
+
+    Local: it only sets a flag, so it is safe anywhere, signal handlers included.
+
+    Raises
+    ------
+    TypeError
+        If `reason` is not a string.
+    """
+    global _request
+    if not isinstance(reason, str):
+        raise TypeError(f"reason must be a string, got {type(reason).__name__}")
+    if _request is None:
+        _request = reason
+
+
+def stop_requested() -> str | None:
+    """This rank's own pending stop request (its reason), else ``None``; not coordinated."""
+    return _request
+
+
+def clear_stop() -> None:
+    """Withdraw this rank's stop request (after a stop was handled, to go on)."""
+    global _request
+    _request = None
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    if signum == signal.SIGINT and _request is not None:
+        raise KeyboardInterrupt  # Ctrl-C while a stop is pending: stop now, as Python would
+    request_stop(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def stop_on_signals(signals: Iterable[int] = STOP_SIGNALS) -> Iterator[None]:
+    """Turn `signals` into stop requests inside the block; restore the previous handlers after.
+
+    Inside the block each of `signals` only calls :func:`request_stop` with the signal's name
+    (``"SIGTERM"``, ...): the enabled Joins of this process then stop every rank together.  A
+    SIGINT while a stop is pending (Ctrl-C twice, or after a SIGTERM) raises
+    ``KeyboardInterrupt`` as usual: an exception, so the job ends through the failure path.
+
+    Parameters
+    ----------
+    signals : iterable of int, default (SIGTERM, SIGUSR1, SIGINT)
+        Signal numbers (``signal.SIGTERM``, ...).
+
+    Raises
+    ------
+    ValueError
+        If called outside the main thread (Python delivers signals to the main thread only),
+        or given a number that is no signal.
+    OSError
+        If given a signal that cannot be caught (``SIGKILL``, ``SIGSTOP``).
+    TypeError
+        If an element is not a signal number.
+    """
+    chosen = []
+    for signum in signals:
+        if isinstance(signum, bool) or not isinstance(signum, int):
+            raise TypeError(f"stop_on_signals takes signal numbers (signal.SIGTERM, ...), got "
+                            f"{type(signum).__name__} {signum!r}")
+        chosen.append(signal.Signals(signum))
+    previous = {}
+    try:
+        for signum in chosen:
+            previous[signum] = signal.signal(signum, _on_signal)
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
