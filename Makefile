@@ -20,7 +20,7 @@ CORE_TESTS   := tests/test_join_mpi.py tests/test_data_parallel_mpi.py \
                 tests/test_zero_mpi.py
 
 .PHONY: help venv test test-serial test-mpi test-unfused test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
-        lint bench bench-threads gpu-check clean
+        lint bench bench-threads bench-torch gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -154,6 +154,13 @@ bench: venv  ## every benchmark: JSON and a plot in benchmarks/results/
 # launches interleaved (the environment is read when BLAS loads); JSON in benchmarks/results/.
 bench-threads: venv  ## a step with the default BLAS threads against one thread
 	$(PY) benchmarks/bench_threads.py --ranks 2 --out benchmarks/results/threads-2-ranks.json
+
+# A torch model under DataParallel + Join against torch DDP + Join (gloo), 2 ranks, 1M and 25M
+# parameters, interleaved in one run (a few minutes); JSON in benchmarks/results/.
+bench-torch: venv  ## a torch model: DataParallel + Join against DDP + Join (gloo), 2 ranks
+	@mkdir -p benchmarks/results
+	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_torch.py \
+	  --out benchmarks/results/torch-2-ranks.json
 
 # On a machine with an NVIDIA GPU and CuPy (visible to $(PYTHON)): the gpu tests at 1 and 2
 # ranks, then the GPU benchmark; JSON in benchmarks/results/. Under five minutes.

@@ -7,6 +7,9 @@ issues, therefore starts a nonblocking operation here and completes it through a
 ``comm.Allreduce`` and friends), so that a joined rank's shadow always matches what an active
 rank issued.
 
+Buffers are NumPy or CuPy arrays, torch CPU tensors or objects exporting ``__dlpack__`` on the
+CPU; the last two go to MPI as NumPy views of their memory, without copies.
+
 On a guarded communicator (one used by a Join or a library joinable) each start asks the
 :class:`~tensorplay_mpi.guard.Guard` first (a broken communicator refuses; debug mode checks
 signatures), and each wait polls it for failure notices of other ranks.
@@ -23,6 +26,7 @@ from .buffers import Staging, misordered
 from .guard import Guard
 from .ops import OPS, op_name
 from .settings import positive_seconds, settings
+from .tensors import as_array
 from .work import Work, outstanding_requests
 
 __all__ = [
@@ -86,21 +90,26 @@ def check_comm(comm: Any, name: str = "comm") -> MPI.Intracomm:
     return comm
 
 
-def _check_buffer(buf: Any, name: str, what: str) -> None:
-    """Refuse what MPI would misread: a non-array, or an array not in C order (MPI reads and
-    writes memory in order: a Fortran-ordered array would be scrambled, a strided one refused
-    only after other ranks have started the operation)."""
+def _buffer(buf: Any, name: str, what: str) -> Any:
+    """`buf` as MPI takes it: arrays as they are, torch CPU tensors and CPU DLPack exporters
+    as NumPy views of their memory (no copy).  Refuse what MPI would misread: a non-array, or
+    an array not in C order (MPI reads and writes memory in order: a Fortran-ordered array
+    would be scrambled, a strided one refused only after other ranks have started the
+    operation)."""
     if type(buf) is np.ndarray and buf.flags.c_contiguous or buf is MPI.IN_PLACE:
-        return  # the common case, without look-ups
+        return buf  # the common case, without look-ups
+    buf = as_array(buf, f"{what}: {name}")
     if not hasattr(buf, "__array_interface__") and not hasattr(buf, "__cuda_array_interface__") \
             and not isinstance(buf, memoryview):
-        raise TypeError(f"{what}: {name} must be an array (NumPy or CuPy), got "
-                        f"{type(buf).__name__}; convert it with numpy.asarray")
+        raise TypeError(f"{what}: {name} must be an array (NumPy, CuPy, a torch CPU tensor or "
+                        f"a CPU DLPack exporter), got {type(buf).__name__}; convert it with "
+                        "numpy.asarray")
     layout = misordered(buf)
     if layout is not None:
         raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()}: {what}: {name} must be "
                          f"C-contiguous, got a {layout} array; pass numpy.ascontiguousarray of "
                          "it (and copy a received result back)")
+    return buf
 
 
 def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Request],
@@ -146,16 +155,15 @@ def iallreduce(
 
     Collective over `comm`: every rank must call it.  `sendbuf` may be ``MPI.IN_PLACE``.
     """
-    _check_buffer(sendbuf, "sendbuf", what)
-    _check_buffer(recvbuf, "recvbuf", what)
+    send, recv = _buffer(sendbuf, "sendbuf", what), _buffer(recvbuf, "recvbuf", what)
     staging = Staging()
-    if sendbuf is MPI.IN_PLACE:
-        args = (sendbuf, staging.update(recvbuf), op)
+    if send is MPI.IN_PLACE:
+        args = (send, staging.update(recv), op)
     else:
-        args = (staging.read(sendbuf), staging.write(recvbuf), op)
-    return _start(comm, what, "allreduce", comm.Iallreduce, args, (sendbuf, recvbuf), recvbuf,
+        args = (staging.read(send), staging.write(recv), op)
+    return _start(comm, what, "allreduce", comm.Iallreduce, args, (send, recv), recvbuf,
                   staging,
-                  lambda: f"allreduce {_describe(recvbuf)} op={op_name(op) or 'user-defined'}",
+                  lambda: f"allreduce {_describe(recv)} op={op_name(op) or 'user-defined'}",
                   finish)
 
 
@@ -164,11 +172,11 @@ def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Wor
 
     Collective over `comm`: every rank must call it.
     """
-    _check_buffer(buf, "buf", what)
+    data = _buffer(buf, "buf", what)
     staging = Staging()
-    mpi_buf = staging.read(buf) if comm.Get_rank() == root else staging.write(buf)
-    return _start(comm, what, "bcast", comm.Ibcast, (mpi_buf, root), (buf,), buf,
-                  staging, lambda: f"bcast {_describe(buf)} root={root}")
+    mpi_buf = staging.read(data) if comm.Get_rank() == root else staging.write(data)
+    return _start(comm, what, "bcast", comm.Ibcast, (mpi_buf, root), (data,), buf,
+                  staging, lambda: f"bcast {_describe(data)} root={root}")
 
 
 def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "allgather") -> Work:
@@ -176,12 +184,11 @@ def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "all
 
     Collective over `comm`: every rank must call it.
     """
-    _check_buffer(sendbuf, "sendbuf", what)
-    _check_buffer(recvbuf, "recvbuf", what)
+    send, recv = _buffer(sendbuf, "sendbuf", what), _buffer(recvbuf, "recvbuf", what)
     staging = Staging()
-    args = (staging.read(sendbuf), staging.write(recvbuf))
-    return _start(comm, what, "allgather", comm.Iallgather, args, (sendbuf, recvbuf),
-                  recvbuf, staging, lambda: f"allgather {_describe(sendbuf)}")
+    args = (staging.read(send), staging.write(recv))
+    return _start(comm, what, "allgather", comm.Iallgather, args, (send, recv),
+                  recvbuf, staging, lambda: f"allgather {_describe(send)}")
 
 
 def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[int],
@@ -190,25 +197,24 @@ def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[in
 
     Collective over `comm`: every rank must call it with the same `counts`.
     """
-    _check_buffer(sendbuf, "sendbuf", what)
-    _check_buffer(recvbuf, "recvbuf", what)
+    send, recv = _buffer(sendbuf, "sendbuf", what), _buffer(recvbuf, "recvbuf", what)
     staging = Staging()
-    args = (staging.read(sendbuf), [staging.write(recvbuf), counts])
-    return _start(comm, what, "allgather", comm.Iallgatherv, args, (sendbuf, recvbuf),
-                  recvbuf, staging, lambda: f"allgatherv {_describe(recvbuf)}")
+    args = (staging.read(send), [staging.write(recv), counts])
+    return _start(comm, what, "allgather", comm.Iallgatherv, args, (send, recv),
+                  recvbuf, staging, lambda: f"allgatherv {_describe(recv)}")
 
 
 def isend(comm: MPI.Intracomm, buf: Any, dest: int, tag: int, what: str = "send") -> Work:
     """Start a point-to-point ``MPI_Isend`` of `buf` to `dest`."""
-    _check_buffer(buf, "buf", what)
+    data = _buffer(buf, "buf", what)
     staging = Staging()
-    return _start(comm, what, "send", comm.Isend, (staging.read(buf), dest, tag), (buf,), None,
+    return _start(comm, what, "send", comm.Isend, (staging.read(data), dest, tag), (data,), None,
                   staging)
 
 
 def irecv(comm: MPI.Intracomm, buf: Any, source: int, tag: int, what: str = "recv") -> Work:
     """Start a point-to-point ``MPI_Irecv`` into `buf` from `source`; the result is `buf`."""
-    _check_buffer(buf, "buf", what)
+    data = _buffer(buf, "buf", what)
     staging = Staging()
-    return _start(comm, what, "recv", comm.Irecv, (staging.write(buf), source, tag), (buf,),
+    return _start(comm, what, "recv", comm.Irecv, (staging.write(data), source, tag), (data,),
                   buf, staging)

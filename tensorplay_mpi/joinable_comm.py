@@ -42,6 +42,7 @@ from .algorithms.guarded_joinable import REFUSALS, GuardedJoinable, refusal_code
 from .algorithms.join import Join, JoinHook
 from .buffers import device_of, misordered, zeros_like
 from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_name
+from .tensors import as_array, like
 
 __all__ = ["JoinableComm"]
 
@@ -185,6 +186,8 @@ class JoinableComm(GuardedJoinable):
     a joined rank do: call :meth:`begin_iteration` and the operations after the other
     joinables' collectives (after ``dp.step()``, never inside it).  Outside an enabled Join
     the operations are plain collectives over every rank and nothing is retained.
+    Operations take NumPy or CuPy arrays, torch CPU tensors and CPU DLPack exporters (without
+    copies); a new result is a torch tensor when the input is one.
 
     Parameters
     ----------
@@ -336,7 +339,7 @@ class JoinableComm(GuardedJoinable):
             op_code = _OP_CODES.get(id(op)) or _op_code(op)
             if x.dtype.kind not in _OP_KINDS[OPS[op_code - 1]]:
                 _refuse_op(op_code, x.dtype)
-            out = _output(x, out, given)
+            out, result = _output(x, out, given)
         except (TypeError, ValueError) as error:
             self._refuse(error)
         if self._announces():
@@ -346,10 +349,10 @@ class JoinableComm(GuardedJoinable):
                                payload=_keys(x, reverse))
                 keys = self._announcement[_PAYLOAD_AT:_PAYLOAD_AT + x.size]
                 out[...] = _from_keys(keys, x.dtype, reverse).reshape(x.shape)
-                return _completed(out, f"allreduce ({self._where}, carried)")
+                return _completed(result, f"allreduce ({self._where}, carried)")
             self._announce(_ALLREDUCE, op_code, code, count=x.size)
         send = MPI.IN_PLACE if out is x else x
-        return self._own(iallreduce(self.comm, send, out, op, f"allreduce ({self._where})"))
+        return self._own(iallreduce(self.comm, send, result, op, f"allreduce ({self._where})"))
 
     def allreduce(self, x: Any, op: MPI.Op = MPI.SUM, out: Any = None) -> Any:
         """Allreduce of `x` over the active ranks (see :meth:`iallreduce`)."""
@@ -362,6 +365,7 @@ class JoinableComm(GuardedJoinable):
         dimensions may not (``ValueError`` on every rank).  The row headers are exchanged (and
         waited for) first; the Work is the data's allgatherv.
         """
+        given = rows
         try:
             rows = self._array(rows)
             if rows.ndim < 1:
@@ -374,13 +378,14 @@ class JoinableComm(GuardedJoinable):
         if self._announces():
             self._announce(_ALLGATHER, 0, code, count=math.prod(rows.shape[1:]),
                            rows=row_digest)
-        return self._own(self._gather_rows(rows, row_digest))
+        return self._own(self._gather_rows(rows, row_digest, given))
 
     def allgather(self, rows: Any) -> Any:
         """The active ranks' rows, concatenated in rank order (see :meth:`iallgather`)."""
         return self._wait(self.iallgather(rows))
 
-    def _gather_rows(self, rows: Any, row_digest: int) -> Work:
+    def _gather_rows(self, rows: Any, row_digest: int, given: Any = None) -> Work:
+        """The row headers, then the data's allgatherv into a new array of `given`'s kind."""
         self._row_header[:] = rows.shape[0], row_digest
         headers = self._wait(iallgather(self.comm, self._row_header, self._row_headers,
                                         f"row counts ({self._where})"))
@@ -393,7 +398,7 @@ class JoinableComm(GuardedJoinable):
                              f"{rows.shape[1:]})")
         total, row_size = int(counts.sum()), math.prod(rows.shape[1:])
         out = zeros_like(rows, total * row_size).reshape((total,) + tuple(rows.shape[1:]))
-        return iallgatherv(self.comm, rows, out, (counts * row_size).tolist(),
+        return iallgatherv(self.comm, rows, like(given, out), (counts * row_size).tolist(),
                            f"allgather ({self._where})")
 
     def ibcast(self, x: Any, root: int | str = "highest_active", out: Any = None) -> Work:
@@ -407,7 +412,7 @@ class JoinableComm(GuardedJoinable):
             given = x
             x = x if type(x) is np.ndarray and x.flags.c_contiguous else self._array(x)
             code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
-            out = _output(x, out, given)
+            out, result = _output(x, out, given)
             highest = isinstance(root, str) and root == "highest_active"
             if not highest and (isinstance(root, bool)
                                 or not isinstance(root, (int, np.integer))):
@@ -425,7 +430,7 @@ class JoinableComm(GuardedJoinable):
                 _check_root(target, highest or values[_ROOT_IS_ME] == 1)
                 data = self._announcement[_PAYLOAD_AT:].tobytes()[:x.nbytes]
                 out[...] = np.frombuffer(data, x.dtype).reshape(x.shape)
-                return _completed(out, f"bcast ({self._where}, carried)")
+                return _completed(result, f"bcast ({self._where}, carried)")
             values = self._announce(_BCAST, 0, code, target, x.size)
             target = values[_RANK] if highest else target
             _check_root(target, highest or values[_ROOT_IS_ME] == 1)
@@ -433,7 +438,8 @@ class JoinableComm(GuardedJoinable):
             target = self.size - 1
         if self.rank == target and out is not x:
             out[...] = x
-        return self._own(ibcast(self.comm, out, target, f"bcast from {target} ({self._where})"))
+        return self._own(ibcast(self.comm, result, target,
+                                f"bcast from {target} ({self._where})"))
 
     def _carrier(self, x: Any, root: int) -> int | None:
         """The rank whose small `x` an announcement carries: `root`, or the highest active
@@ -450,8 +456,10 @@ class JoinableComm(GuardedJoinable):
         return self._wait(self.ibcast(x, root, out))
 
     def _array(self, x: Any) -> Any:
-        """`x` as an array MPI can send: C-ordered (a copy if it was not), on its device."""
+        """`x` as an array MPI can send: C-ordered (a copy if it was not), on its device; a
+        torch CPU tensor or a CPU DLPack exporter as the NumPy view of its memory."""
         if type(x) is not np.ndarray:
+            x = as_array(x)
             if not hasattr(x, "dtype") or not hasattr(x, "shape"):
                 return np.asarray(x)
             self.device = device_of(x)
@@ -463,26 +471,31 @@ class JoinableComm(GuardedJoinable):
         return _FollowAnnouncements(self)
 
 
-def _output(x: Any, out: Any, given: Any) -> Any:
-    """The array that receives the result: `out`, checked, or a new one like `x` (the
-    C-ordered `given`)."""
+def _output(x: Any, out: Any, given: Any) -> tuple[Any, Any]:
+    """The array that receives the result, checked, and the result to return: the caller's
+    `out`, or a new array like `x` (the C-ordered array of the caller's input `given`), a torch
+    tensor when `given` is one."""
     if out is None:
-        return np.empty_like(x) if type(x) is np.ndarray else zeros_like(x)
+        new = np.empty_like(x) if type(x) is np.ndarray else zeros_like(x)
+        return new, like(given, new)
     if out is x:
-        return out
+        return out, out
+    result, out = out, as_array(out, "out")
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be shaped and typed like the input: {x.shape} {x.dtype}, "
                          f"got {out.shape} {out.dtype}")
     layout = misordered(out)
     if layout is not None:
         raise ValueError(f"out must be C-contiguous (MPI writes it in memory order), got a "
-                         f"{layout} array{' (out=x)' if out is given else ''}: pass a "
+                         f"{layout} array{' (out=x)' if result is given else ''}: pass a "
                          "C-contiguous out, or none and copy the result")
+    if result is given:  # out=x of a tensor: in place, in the memory `x` views
+        return x, result
     if (type(out) is np.ndarray and type(x) is np.ndarray and (out.base is not None
                                                                or x.base is not None)
             and np.may_share_memory(out, x)):  # two arrays without a base cannot overlap
         raise ValueError("out overlaps the input without being it; pass out=x to work in place")
-    return out
+    return out, result
 
 
 def _check_root(root: int, active: bool) -> None:

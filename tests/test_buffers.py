@@ -18,7 +18,7 @@ import importlib.abc, pkgutil, sys
 tried = []
 class Recorder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "cupy":
+        if name.split(".")[0] == "MODULE":
             tried.append(name)
         return None
 sys.meta_path.insert(0, Recorder())
@@ -28,21 +28,22 @@ for module in pkgutil.walk_packages(tensorplay_mpi.__path__, "tensorplay_mpi."):
         __import__(module.name)
 print("library", tried)
 try:
-    import cupy
+    import MODULE
 except ImportError:
     pass
 print("then", tried)
 """
 
 
-def test_importing_the_library_never_tries_to_import_cupy():
-    """Import attempts are recorded, so this fails whether CuPy is installed or not."""
-    result = subprocess.run([sys.executable, "-c", RECORD_IMPORTS], capture_output=True,
-                            text=True, timeout=60)
+@pytest.mark.parametrize("module", ["cupy", "torch"])
+def test_importing_the_library_never_tries_to_import_cupy_or_torch(module):
+    """Import attempts are recorded, so this fails whether the module is installed or not."""
+    result = subprocess.run([sys.executable, "-c", RECORD_IMPORTS.replace("MODULE", module)],
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     library, then = result.stdout.splitlines()
     assert library == "library []"
-    assert then.startswith("then ['cupy'")  # the recorder sees an attempt
+    assert then.startswith(f"then ['{module}'")  # the recorder sees an attempt
 
 
 class OnlyCudaInterface:

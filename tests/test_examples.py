@@ -86,6 +86,24 @@ def test_demo_training_is_accurate_exact_and_identical_on_every_rank(nprocs, fla
     assert f"parameters identical on all {nprocs} ranks: yes" in result.stdout
 
 
+def demo_lines(stdout):
+    """The demo's output lines with the numbers blanked: its format."""
+    return [re.sub(r"[\d.]+", "N", re.sub(r"digest \w+", "digest D", line))
+            for line in stdout.splitlines()]
+
+
+def test_the_torch_demo_prints_the_demo_lines_and_trains_as_well():
+    pytest.importorskip("torch")
+    nprocs = 3
+    flags = ["--epochs", "5", "--min-accuracy", "0.9"]
+    result = run_mpi(nprocs, ["-m", "tensorplay_mpi.examples.train_torch", *flags], timeout=300)
+    check_clean_exit(result)  # exit 0: accurate enough and identical parameters
+    numpy_demo = run_mpi(nprocs, ["-m", "tensorplay_mpi.examples.train", *flags], timeout=300)
+    check_clean_exit(numpy_demo)
+    assert demo_lines(result.stdout) == demo_lines(numpy_demo.stdout)
+    assert f"parameters identical on all {nprocs} ranks: yes (digest " in result.stdout
+
+
 @pytest.mark.parametrize("nprocs", RANKS)
 @pytest.mark.parametrize("idle_rank0", [False, True])
 def test_kmeans_equals_the_serial_run_on_all_the_data(nprocs, idle_rank0):

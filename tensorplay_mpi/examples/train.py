@@ -141,7 +141,26 @@ def params_digest(params: list[Any]) -> str:
     return digest.hexdigest()
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def header(comm: MPI.Intracomm, args: argparse.Namespace, trained: int, tested: int,
+           note: str = "") -> None:
+    """The demo's first line, on rank 0."""
+    if comm.rank == 0:
+        sizes = shard_sizes(trained, comm.size, args.skew)
+        print(f"{comm.size} ranks, {trained} training samples split {sizes}, "
+              f"{tested} held out; averaging over the {args.divide} size{note}", flush=True)
+
+
+def epoch_done(comm: MPI.Intracomm, epoch: int, epochs: int, totals: np.ndarray) -> None:
+    """The progress line of an epoch, on rank 0, from the (loss sum, correct, samples) summed
+    over ranks."""
+    loss, correct, samples = totals
+    if comm.rank == 0:
+        progress(epoch, epochs,
+                 f"loss {loss / samples:.4f}  train accuracy {correct / samples:.4f}")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The demo's flags (``examples.train_torch`` takes the same, but ``--checkpoint``)."""
     parser = argparse.ArgumentParser(description="Data-parallel MLP on uneven shards.")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
@@ -159,11 +178,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="resume from the checkpoint in DIR if there is one; on SIGTERM, "
                              f"SIGUSR1 or SIGINT stop, write it and exit with status {STOPPED}")
-    return parser.parse_args(argv)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = make_parser().parse_args(argv)
     # from the start: a signal during the set-up rides in the first heartbeat
     with stop_on_signals() if args.checkpoint else contextlib.nullcontext():
         return run(args, MPI.COMM_WORLD)
@@ -179,11 +198,9 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
     mine = shard(len(y_train), comm.rank, comm.size, args.skew)
     params = [xp.asarray(p) for p in init_mlp(x_train.shape[1], args.hidden, 10, args.seed)]
     dp = DataParallel(params, comm=comm)
+    header(comm, args, len(y_train), len(y_test),
+           f"; on {dp.join_device}" if args.device == "cuda" else "")
     sizes = shard_sizes(len(y_train), comm.size, args.skew)
-    if comm.rank == 0:
-        print(f"{comm.size} ranks, {len(y_train)} training samples split {sizes}, "
-              f"{len(y_test)} held out; averaging over the {args.divide} size"
-              + (f"; on {dp.join_device}" if args.device == "cuda" else ""), flush=True)
     per_epoch = math.ceil(max(sizes) / args.batch_size)  # iterations: the longest shard's
     first, skip, carried = 1, 0, np.zeros(3)
     resumed = checkpoint.load(args.checkpoint, params, comm=comm) if args.checkpoint else None
@@ -223,26 +240,24 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                       f"{saved.seconds * 1e3:.1f} ms); run the same command to resume",
                       flush=True)
             return STOPPED
-        loss, correct, samples = totals
-        if comm.rank == 0:
-            progress(epoch, args.epochs, f"loss {loss / samples:.4f}  "
-                                         f"train accuracy {correct / samples:.4f}")
+        epoch_done(comm, epoch, args.epochs, totals)
     if args.checkpoint and first <= args.epochs:  # so that running it again only reports
         checkpoint.save(args.checkpoint, params, step=args.epochs * per_epoch,
                         epoch=args.epochs + 1, extra={"totals": np.zeros(3)}, comm=comm)
     elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-    return report(args, params, comm, forward(params, xp.asarray(x_test))[1].argmax(axis=1)
-                  == xp.asarray(y_test), elapsed)
+    hits = forward(params, xp.asarray(x_test))[1].argmax(axis=1) == xp.asarray(y_test)
+    return report(comm, args, params, float(hits.mean()), elapsed, len(y_test))
 
 
-def report(args: argparse.Namespace, params: list[Any], comm: MPI.Intracomm, hits: Any,
-           elapsed: float) -> int:
-    """Print accuracy, time and digest on rank 0; 0 if all is well, else 1."""
-    accuracy = float(hits.mean())
+def report(comm: MPI.Intracomm, args: argparse.Namespace, params: list[Any], accuracy: float,
+           elapsed: float, tested: int) -> int:
+    """Print the demo's last lines on rank 0; the exit status: 0 if accurate and identical.
+
+    Collective over `comm` (it compares the parameters' digests)."""
     digests = comm.allgather(params_digest(params))
     identical = len(set(digests)) == 1
     if comm.rank == 0:
-        print(f"held-out accuracy {accuracy:.4f} ({hits.size} samples)")
+        print(f"held-out accuracy {accuracy:.4f} ({tested} samples)")
         print(f"training time {elapsed:.2f} s for {args.epochs} epochs on {comm.size} ranks")
         print(f"parameters identical on all {comm.size} ranks: {'yes' if identical else 'NO'} "
               f"(digest {digests[0]})")

@@ -1,8 +1,10 @@
 """Local optimizers over NumPy (and CuPy) arrays: SGD, Adam, AdamW — Joinables beside DataParallel.
 
 Each updates `params` in place from the bound `grads` (for example ``dp.grads``) on
-:meth:`Optimizer.step`.  The rules are PyTorch's (no dampening, no amsgrad), which are the
-textbook ones; the arithmetic lives in :mod:`tensorplay_mpi.optim.rules`, shared with
+:meth:`Optimizer.step`.  Both may be torch CPU tensors (``model.parameters()``, and ``dp.grads``
+of a DataParallel over them): the optimizer works on NumPy views of their memory.  The rules
+are PyTorch's (no dampening, no amsgrad), which are the textbook ones; the arithmetic lives in
+:mod:`tensorplay_mpi.optim.rules`, shared with
 :class:`~tensorplay_mpi.optim.ZeroRedundancyOptimizer`.  State arrays are allocated at
 construction, shaped like their parameter (0-d included), so a state dict has the same layout
 before and after the first step.
@@ -24,6 +26,7 @@ from ..algorithms.join import Join, Joinable, JoinHook
 from ..buffers import check_disjoint, device_of, zeros_like
 from ..comm import check_comm, default_comm
 from ..parallel.buckets import GradientViews
+from ..tensors import as_arrays
 from . import rules
 from ..threads import limit_threads
 from .clip import clip_grad_norm
@@ -108,8 +111,8 @@ class Optimizer(Joinable):
         super().__init__()
         self._grad_views = GradientViews.of(grads)
         self.comm = check_comm(comm_of_grads(grads) if comm is None else comm)
-        self.params = list(params)
-        self.grads = list(grads)
+        self.params = as_arrays(params, "params")  # torch tensors: NumPy views
+        self.grads = as_arrays(grads, "grads")
         check_params(self.params, self.grads)
         self.defaults = dict(defaults)
         self.param_groups = [dict(defaults)]

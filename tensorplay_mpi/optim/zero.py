@@ -23,6 +23,7 @@ from ..algorithms.join import Join, JoinHook
 from ..buffers import check_disjoint, device_of, zeros_like
 from ..comm import Work, ibcast, irecv, isend
 from ..parallel.buckets import GradientViews
+from ..tensors import as_arrays
 from .clip import clip_grad_norm
 from .local import Adam, Optimizer, comm_of_grads, is_writeable, check_params
 
@@ -58,7 +59,7 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
 
     Parameters
     ----------
-    params, grads : sequence of arrays
+    params, grads : sequence of arrays or torch CPU tensors
         The parameters (updated in place on every rank) and their gradients (for example
         ``dp.grads``, which hold the average after ``dp.step()``).
     optimizer_class : type, default Adam
@@ -84,8 +85,8 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
                  optimizer_class: type[Optimizer] = Adam, comm: MPI.Intracomm | None = None,
                  timeout: float | None = None, **defaults: Any) -> None:
         super().__init__(comm_of_grads(grads) if comm is None else comm, timeout)
-        self.params = list(params)
-        views, grads = grads, list(grads)
+        self.params = as_arrays(params, "params")  # torch tensors: NumPy views
+        views, grads = grads, as_arrays(grads, "grads")
         try:  # memory sharing is no part of the layout: a rank that has it refuses
             check_disjoint(params=self.params, grads=grads)
             refused = None

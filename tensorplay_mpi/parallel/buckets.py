@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..buffers import zeros_like
+from ..tensors import as_array
 
 __all__ = ["Bucket", "GradientViews", "make_buckets"]
 
@@ -80,6 +81,7 @@ optimizer given ``dp.grads`` or ``list(dp.grads)`` finds its DataParallel
 
 
 def _memory(array: Any) -> tuple:
+    array = as_array(array)
     interface = getattr(array, "__array_interface__", None) or getattr(
         array, "__cuda_array_interface__", {})
     return interface.get("data", (None,))[0], getattr(array, "shape", None)
@@ -88,8 +90,9 @@ def _memory(array: Any) -> tuple:
 class GradientViews(Sequence):
     """The gradients, as views into the buckets: read them, write into them, never rebind.
 
-    ``grads[i]`` is an array shaped like parameter ``i`` (use it as ``out=``, or write
-    ``grads[i][...] = g``); ``grads[i] = g`` copies `g` into it after checking its shape.
+    ``grads[i]`` is an array (a torch tensor for torch parameters) shaped like parameter ``i``
+    (use it as ``out=``, or write ``grads[i][...] = g``); ``grads[i] = g`` copies `g` into it
+    after checking its shape.
 
     The optimizer bound to these gradients last is the one that steps with them: binding a
     new one (``opt = SGD(params, dp.grads)`` after an Adam) replaces the previous one at once,
@@ -159,9 +162,9 @@ class GradientViews(Sequence):
         if shape is None:
             shape = np.shape(value)
         if tuple(shape) != view.shape:
-            raise ValueError(f"grads[{index}] has shape {view.shape}, got an array of shape "
+            raise ValueError(f"grads[{index}] has shape {tuple(view.shape)}, got an array of shape "
                              f"{tuple(shape)}")
-        view[...] = value
+        as_array(view)[...] = as_array(value)
 
     def __repr__(self) -> str:
         return f"GradientViews({[v.shape for v in self._views]})"

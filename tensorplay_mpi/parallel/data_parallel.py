@@ -37,21 +37,27 @@ from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join, JoinHook
 from ..buffers import check_disjoint, device_of, is_device_array
 from ..comm import Work, iallreduce, ibcast
+from ..tensors import as_arrays, is_tensor, like
 from .buckets import GradientViews, make_buckets
+from .torch_grads import TorchGradients, check_unbound
 
 __all__ = ["DataParallel"]
 
 
+
 # The constructor's local checks: what one rank refuses, every rank learns before any broadcast.
-def _check_arrays(arrays: Any, name: str, floating: bool) -> list[Any]:
-    if isinstance(arrays, np.ndarray) or is_device_array(arrays):
+def _check_arrays(given: Any, name: str, floating: bool) -> tuple[list[Any], list[Any]]:
+    """The caller's arrays and tensors, and the arrays the library works on (torch tensors:
+    NumPy views of their memory); raises if they cannot be trained in place."""
+    if isinstance(given, np.ndarray) or is_device_array(given) or is_tensor(given):
         raise TypeError(f"{name}: pass a sequence of arrays (got one "
-                        f"{type(arrays).__name__}: use [array])")
-    arrays = list(arrays)
+                        f"{type(given).__name__}: use [array])")
+    given = list(given)
+    arrays = as_arrays(given, name)
     for i, array in enumerate(arrays):
         if not (isinstance(array, np.ndarray) or is_device_array(array)):
-            raise TypeError(f"{name}[{i}] must be a NumPy or CuPy array, got "
-                            f"{type(array).__name__}")
+            raise TypeError(f"{name}[{i}] must be a NumPy or CuPy array or a torch CPU tensor, "
+                            f"got {type(array).__name__}")
         if floating and array.dtype not in (np.float32, np.float64):
             raise TypeError(f"{name}[{i}] must be float32 or float64, got {array.dtype}")
         if array.dtype == object:
@@ -61,7 +67,7 @@ def _check_arrays(arrays: Any, name: str, floating: bool) -> list[Any]:
         if not getattr(array.flags, "writeable", True):
             raise ValueError(f"{name}[{i}] is read-only: DataParallel writes it on every rank "
                              "(broadcasts from other ranks, in-place updates)")
-    return arrays
+    return given, arrays
 
 
 def _one_device(arrays: list[Any]) -> str:
@@ -137,10 +143,13 @@ class DataParallel(GuardedJoinable):
 
     Parameters
     ----------
-    params : sequence of arrays
-        The trained arrays (NumPy or CuPy, all on one device), owned and updated in place by
-        the caller; writeable, C-contiguous float32 or float64 (one bucket set per dtype).
-        Buckets, zeroing and averaging stay on that device.
+    params : sequence of arrays or torch tensors
+        The trained arrays (NumPy or CuPy, all on one device, or torch CPU tensors such as
+        ``model.parameters()``), owned and updated in place by the caller; writeable,
+        C-contiguous float32 or float64 (one bucket set per dtype).  Buckets, zeroing and
+        averaging stay on that device.  A torch parameter that requires gradients gets
+        ``p.grad`` bound to its bucket view, so that ``loss.backward()`` writes there; the
+        binding is repaired at each step (``model.zero_grad()`` unbinds it).
     comm : mpi4py.MPI.Intracomm, optional
         Defaults to ``MPI.COMM_WORLD``; see
         :class:`~tensorplay_mpi.algorithms.guarded_joinable.GuardedJoinable`.
@@ -148,17 +157,22 @@ class DataParallel(GuardedJoinable):
         Largest bucket in MiB (a larger parameter gets a bucket of its own).
     broadcast_from : int, default 0
         The rank whose params and buffers every rank starts from.
-    buffers : sequence of arrays, default ()
-        Non-trained state (running statistics, ...): broadcast at each step start from the
-        highest active rank.
+    buffers : sequence of arrays or torch tensors, default ()
+        Non-trained state (running statistics, ``model.buffers()``, ...): broadcast at each
+        step start from the highest active rank, as DDP's ``broadcast_buffers``.
     timeout : float, optional
         Seconds any wait may take (default ``$TENSORPLAY_MPI_TIMEOUT`` or 1800).
+    overlap : bool, default True
+        With torch parameters: each one's post-accumulate-grad hook calls :meth:`mark_ready`,
+        so buckets start reducing during ``loss.backward()``.  A second backward pass in one
+        step then raises; accumulate over steps with :meth:`no_sync`, or pass False.
 
     Attributes
     ----------
     grads : GradientViews
-        One gradient per parameter, shaped like it: zero-copy views into the buckets.  Write
-        the local gradient there during a step; after the step it holds the average.
+        One gradient per parameter, shaped like it: zero-copy views into the buckets (torch
+        tensors when `params` are).  Write the local gradient there during a step; after the
+        step it holds the average.
 
     Raises
     ------
@@ -190,12 +204,15 @@ class DataParallel(GuardedJoinable):
         broadcast_from: int = 0,
         buffers: Sequence[np.ndarray] = (),
         timeout: float | None = None,
+        overlap: bool = True,
     ) -> None:
         super().__init__(comm, timeout)
         refused = None
+        given: list[Any] = []
         try:
-            self.params = _check_arrays(params, "params", floating=True)
-            self.buffers = _check_arrays(buffers, "buffers", floating=False)
+            given, self.params = _check_arrays(params, "params", floating=True)
+            check_unbound(given)
+            self.buffers = _check_arrays(buffers, "buffers", floating=False)[1]
             self.device = _one_device(self.params + self.buffers)
             check_disjoint(params=self.params, buffers=self.buffers)
             if not bucket_cap_mb > 0:
@@ -209,8 +226,10 @@ class DataParallel(GuardedJoinable):
                               f"params {layout and layout[0]} and buffers {layout and layout[1]}",
                               broadcast_from=broadcast_from, bucket_cap_mb=bucket_cap_mb)
         self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20)
-        self.grads = GradientViews(views, owner=self)
+        self.grads = GradientViews([like(p, v) for p, v in zip(given, views)], owner=self)
         self._broadcast(self.params + self.buffers, broadcast_from, "initial broadcast")
+        self._torch = TorchGradients(given, self.grads,
+                                     DataParallel._accumulated if overlap else None, self)
 
         self._sync = True  # False inside no_sync()
         self._unentered: _MustEnter | None = None  # a step() or no_sync() never entered
@@ -287,10 +306,27 @@ class DataParallel(GuardedJoinable):
         self._step = step = _Step(self._steps, heartbeat, self._sync, len(self.params),
                                   [len(b.members) for b in self._buckets])
         with self._settling_failures(step):
+            if self._torch:
+                self._torch.bind(range(len(self.params)))
             if self.buffers:
                 self._resolve(step)  # the forward pass reads the broadcast buffers
             yield self
+            if self._torch:  # what no hook saw: model.zero_grad() inside the step, say
+                self._torch.bind(np.flatnonzero(~step.ready).tolist())
             self._finish_buckets(step)
+
+    def _accumulated(self, index: int) -> None:
+        """The post-accumulate-grad hook of torch parameter `index`: bind, then mark ready."""
+        self._torch.bind((index,))
+        step = self._step
+        if step is None or (step.ready[index] and not step.syncs):
+            return
+        if step.ready[index]:
+            raise RuntimeError(
+                f"parameter {index} got a second gradient in one dp.step() (two backward "
+                "passes): its bucket may already be reducing. Accumulate over steps inside "
+                "dp.no_sync(), or construct DataParallel(..., overlap=False)")
+        self.mark_ready(index)
 
     def mark_ready(self, index: int) -> None:
         """Gradient `index` is final for this step: its bucket may start reducing now.

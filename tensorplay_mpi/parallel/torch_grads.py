@@ -1,0 +1,86 @@
+"""torch parameters whose ``.grad`` is DataParallel's bucket memory: bound, re-bound, hooked.
+
+``loss.backward()`` accumulates into ``p.grad`` in place when ``p.grad`` exists, so binding
+``p.grad`` to the parameter's view into its bucket makes autograd write where the allreduce
+reads, without a copy.  torch unbinds it in two ways: ``model.zero_grad()`` (``set_to_none``
+by default) sets ``p.grad = None``, after which a backward pass stores a fresh tensor; and a
+caller may assign ``p.grad``.  :meth:`TorchGradients.bind` repairs either before the bucket is
+read: a gradient of ``None`` is zero, another tensor is copied into the view, and ``p.grad``
+is the view again.  DataParallel binds at every step's start, in the post-accumulate-grad hook
+of each parameter, and at the step's end for parameters no hook marked ready.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterable
+
+from ..tensors import is_tensor
+
+__all__ = ["TorchGradients", "check_unbound"]
+
+_BINDING = "_tensorplay_mpi_binding"  # the attribute of a bound parameter: weakref to its binding
+
+
+def check_unbound(params: list[Any]) -> None:
+    """Raise ``ValueError`` if a parameter's ``p.grad`` is bound to a live DataParallel."""
+    for i, p in enumerate(params):
+        if is_tensor(p) and getattr(p, _BINDING, lambda: None)() is not None:
+            raise ValueError(f"params[{i}] already has its gradient bound to the buckets of "
+                             "another DataParallel: use one DataParallel per model (delete "
+                             "the other one first)")
+
+
+class TorchGradients:
+    """The torch parameters of a DataParallel that need gradients, bound to `grads`.
+
+    Parameters
+    ----------
+    params : list
+        The caller's parameters: tensors that require gradients are bound, others ignored.
+    grads : sequence of torch tensors
+        ``dp.grads``: the views into the buckets, shaped like the parameters.
+    on_accumulated : callable of (owner, index), optional
+        Registered as the post-accumulate-grad hook of each bound parameter, called with
+        `owner` (held weakly: a collected owner's hooks do nothing) and the parameter index.
+    owner : object, optional
+        What `on_accumulated` is called with.
+    """
+
+    def __init__(self, params: list[Any], grads: Any,
+                 on_accumulated: Callable[[Any, int], None] | None = None,
+                 owner: Any = None) -> None:
+        self._params = {i: p for i, p in enumerate(params) if is_tensor(p) and p.requires_grad}
+        self._grads = grads
+        self.bind(self._params)
+        for p in self._params.values():
+            setattr(p, _BINDING, weakref.ref(self))
+        if on_accumulated is not None:
+            ref = weakref.ref(owner)
+            for i, p in self._params.items():
+                p.register_post_accumulate_grad_hook(lambda _, i=i: _call(ref, on_accumulated, i))
+
+    def __bool__(self) -> bool:
+        return bool(self._params)
+
+    def bind(self, indices: Iterable[int]) -> None:
+        """Make ``p.grad`` the bucket view of each parameter in `indices` (those bound),
+        keeping its value: ``None`` is zero, another tensor is copied in."""
+        for i in indices:
+            p = self._params.get(i)
+            if p is None:
+                continue
+            grad, view = p.grad, self._grads[i]
+            if grad is view:
+                continue
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+            p.grad = view
+
+
+def _call(ref: weakref.ref, fn: Callable[[Any, int], None], index: int) -> None:
+    owner = ref()
+    if owner is not None:
+        fn(owner, index)
