@@ -44,7 +44,7 @@ def run_demo(ctl, args):
     start = time.perf_counter()
     try:
         with contextlib.redirect_stdout(out):
-            status = train.run(train.parse_args(DEMO + args), MPI.COMM_WORLD)
+            status = train.run(train.make_parser().parse_args(DEMO + args), MPI.COMM_WORLD)
         error = None
     except Exception as raised:  # judged on every rank below
         status, error = -1, f"{type(raised).__name__}: {raised}"
