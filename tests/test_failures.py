@@ -19,9 +19,10 @@ PROGRAM = str(Path(__file__).parent / "programs" / "failures.py")
 RANKS = [2, 3, 4]
 
 
-def run_failing(nprocs, mode, timeout=60, **env):
+def run_failing(nprocs, mode, timeout=60, program=PROGRAM, **env):
+    """Run `program` (failures.py) in `mode`; the result and the seconds it took."""
     start = time.monotonic()
-    result = run_mpi(nprocs, [PROGRAM, mode], timeout=timeout, **env)
+    result = run_mpi(nprocs, [program, mode], timeout=timeout, **env)
     return result, time.monotonic() - start
 
 
@@ -108,9 +109,8 @@ MISUSE = str(Path(__file__).parent / "programs" / "misuse.py")
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_a_failure_that_peers_never_wait_for_still_ends_the_job_with_its_error(
         nprocs, mode, message):
-    start = time.monotonic()
-    result = run_mpi(nprocs, [MISUSE, mode], timeout=90, TENSORPLAY_MPI_GRACE="3")
-    elapsed = time.monotonic() - start
+    result, elapsed = run_failing(nprocs, mode, timeout=90, program=MISUSE,
+                                  TENSORPLAY_MPI_GRACE="3")
     assert result.returncode != 0 and elapsed < 30, (elapsed, result.stdout, result.stderr)
     assert results(result.stdout)[1] == message, result.stdout
     assert message in result.stderr, result.stderr  # the traceback reaches the job's output
@@ -152,9 +152,7 @@ def test_an_uncaught_exception_without_mpi4py_run_aborts_the_job(opt_out, ends, 
 
 
 def test_sys_exit_0_inside_a_join_on_one_rank_ends_the_job_at_once_and_says_why():
-    start = time.monotonic()
-    result = run_mpi(2, [MISUSE, "exit0"], timeout=60)
-    elapsed = time.monotonic() - start
+    result, elapsed = run_failing(2, "exit0", program=MISUSE)
     assert result.returncode != 0 and elapsed < 8, (elapsed, result.stderr)
     assert results(result.stdout)[0].startswith(
         "PeerFailureError: rank 0: rank 1 failed with SystemExit: 0"), result.stdout
@@ -170,9 +168,7 @@ def test_a_sys_exit_in_a_thread_does_not_abort_a_job_that_ends_normally():
 
 
 def test_a_rank_that_comes_to_the_agreement_after_the_grace_gets_the_same_verdict():
-    start = time.monotonic()
-    result = run_mpi(2, [MISUSE, "late"], timeout=60, TENSORPLAY_MPI_GRACE="2")
-    elapsed = time.monotonic() - start
+    result, elapsed = run_failing(2, "late", program=MISUSE, TENSORPLAY_MPI_GRACE="2")
     outcomes = results(result.stdout)
     assert result.returncode != 0 and elapsed < 20, (elapsed, result.stdout, result.stderr)
     for rank in (0, 1):
@@ -181,9 +177,7 @@ def test_a_rank_that_comes_to_the_agreement_after_the_grace_gets_the_same_verdic
 
 
 def test_an_operation_pending_when_the_communicator_breaks_fails_at_once():
-    start = time.monotonic()
-    result = run_mpi(2, [MISUSE, "continue"], timeout=60, TENSORPLAY_MPI_TIMEOUT="30")
-    elapsed = time.monotonic() - start
+    result, elapsed = run_failing(2, "continue", program=MISUSE, TENSORPLAY_MPI_TIMEOUT="30")
     outcomes = results(result.stdout)
     assert result.returncode != 0 and elapsed < 15, (elapsed, result.stdout, result.stderr)
     assert outcomes[1] == "ValueError: bad batch on rank 1", outcomes
