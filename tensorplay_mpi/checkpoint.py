@@ -185,6 +185,8 @@ def _flatten(state_dict: dict[str, Any], prefix: str) -> tuple[dict[str, Any], d
     """Arrays under ``prefix/i/name`` and the rest as JSON-ready metadata."""
     arrays = {f"{prefix}/{i}/{name}": _host(a) for i, s in state_dict["state"].items()
               for name, a in s.items()}
+    if "param_steps" in state_dict:  # per-parameter step counts (parameters skipped unused)
+        arrays[f"{prefix}/param_steps"] = np.asarray(state_dict["param_steps"], dtype=np.int64)
     meta = {
         "optimizer": state_dict["optimizer"],
         "steps": int(state_dict["steps"]),
@@ -210,6 +212,8 @@ def _unflatten(meta: dict, arrays: Mapping[str, np.ndarray], prefix: str,
         "state": {int(i): {name: _like(sample, arrays[f"{prefix}/{i}/{name}"])
                            for name in names}
                   for i, names in meta["state"].items()},
+        **({"param_steps": arrays[f"{prefix}/param_steps"]}
+           if f"{prefix}/param_steps" in arrays else {}),
     }
 
 

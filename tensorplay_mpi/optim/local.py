@@ -94,7 +94,16 @@ class Optimizer(Joinable):
         rank's hook steps without the loop's code.  :attr:`defaults` keeps the constructor's
         values.
     steps : int
-        Steps taken (the ``t`` of Adam's bias correction).
+        Steps taken (what a callable hyperparameter is evaluated at).
+    param_steps : numpy.ndarray of int64
+        Per parameter, the steps that updated it (the ``t`` of Adam's bias correction).
+
+    Notes
+    -----
+    Parameters without a gradient are skipped as torch.optim skips a ``p.grad`` of None: with
+    ``dp.grads``, a parameter for which ``dp.used`` is False after the step (frozen, or no rank
+    produced a gradient) gets no weight decay, no momentum or moment update and no step of
+    its own counted.
 
     Notes
     -----
@@ -117,6 +126,7 @@ class Optimizer(Joinable):
         self.defaults = dict(defaults)
         self.param_groups = [dict(defaults)]
         self.steps = 0
+        self.param_steps = np.zeros(len(self.params), dtype=np.int64)
         limit_threads()
         self._hyper(1)
         rules.warm_up(self.params)  # the fused kernels compile here, not in the first step
@@ -133,16 +143,26 @@ class Optimizer(Joinable):
         Join.notify_join_context(self)
         self.update()
 
-    def update(self) -> None:
+    def update(self, used: Any = None) -> None:
         """One update from the bound gradients, without telling a Join: what :meth:`step` does
         after its heartbeat, and what a joined rank's hook and a ZeroRedundancyOptimizer (for
-        its shard) call."""
+        its shard) call.
+
+        `used` (bool per parameter) says which have a gradient; by default ``dp.used`` of the
+        DataParallel owning the gradients, else all.
+        """
+        if used is None:
+            owner = None if self._grad_views is None else self._grad_views.owner
+            used = None if owner is None else owner.used
         hyper = self._hyper(self.steps + 1)
         self.steps += 1
         if hyper.get("max_grad_norm") is not None:
             clip_grad_norm(self.grads, hyper["max_grad_norm"])
+        every = used is None or used.all()
         for i, g in enumerate(self.grads):
-            self._update(i, g.reshape(-1), hyper)
+            if every or used[i]:
+                self.param_steps[i] += 1
+                self._update(i, g.reshape(-1), hyper)
 
     def _hyper(self, step: int) -> dict[str, Any]:
         """The hyperparameters of step number `step`, callables evaluated, validated."""
@@ -179,6 +199,7 @@ class Optimizer(Joinable):
             "param_groups": [_values(group) for group in self.param_groups],
             "schedules": sorted({k for group in groups for k, v in group.items() if callable(v)}),
             "steps": self.steps,
+            "param_steps": self.param_steps.copy(),
             "state": {i: {k: a.copy() for k, a in s.items()} for i, s in enumerate(self.state)},
         }
 
@@ -219,6 +240,8 @@ class Optimizer(Joinable):
         self.param_groups = [{**g, **schedules}
                              for g in state_dict.get("param_groups", [self.defaults])]
         self.steps = int(state_dict["steps"])
+        param_steps = state_dict.get("param_steps")  # absent before per-parameter counts
+        self.param_steps[...] = self.steps if param_steps is None else param_steps
 
     def set_hyperparameter(self, name: str, value: Any) -> None:
         """Set `name` to `value` in :attr:`defaults` and in every group of :attr:`param_groups`."""
@@ -327,7 +350,7 @@ class Adam(Optimizer):
         beta1, beta2 = hyper["betas"]
         rules.adam(self._flat[i], g, state["exp_avg"], state["exp_avg_sq"], self._scratch,
                    hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"],
-                   self.decoupled, self.steps)
+                   self.decoupled, int(self.param_steps[i]))
 
 
 class AdamW(Adam):

@@ -116,7 +116,8 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
                                      **defaults)
         self._packs, self._direct = self._sync_plan()
         self._consolidated: dict[str, Any] | None = None
-        bound = GradientViews.of(views)
+        bound = self._views = GradientViews.of(views)
+        self._shard_index = np.asarray(self.shard, dtype=np.intp)
         if bound is not None:  # DataParallel's Joins must list this optimizer, which steps
             bound.bind(self, must_join=True)  # in place of its shard optimizer
 
@@ -161,7 +162,9 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
     def _step_shard_and_sync(self) -> None:
         if self.max_grad_norm is not None:
             clip_grad_norm(self.grads, self.max_grad_norm)
-        self.local.update()
+        owner = None if self._views is None else self._views.owner
+        used = None if owner is None else owner.used
+        self.local.update(None if used is None else used[self._shard_index])
         works = []
         for owner, flat, views in self._packs:
             if owner == self.rank:
@@ -194,6 +197,8 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
             raise ValueError(f"to must be a rank in [0, {self.size}), got {to!r}")
         mine = self.local.state_dict()
         full = {k: mine[k] for k in ("optimizer", "defaults", "schedules", "steps")}
+        full["param_steps"] = steps = np.zeros(len(self.params), dtype=np.int64)
+        steps[self._shard_index] = mine["param_steps"]
         full["state"] = {i: mine["state"][k] for k, i in enumerate(self.shard)}
         works: list[Work] = []
         for i, owner in enumerate(self.owners):
@@ -207,6 +212,9 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
                 else:
                     buf = full["state"][i][name] = zeros_like(self.params[i])
                     works.append(irecv(self.comm, buf, owner, _TAG))
+            count = steps[i:i + 1]  # the parameter's own step count, after its state
+            works.append(isend(self.comm, count, to, _TAG) if self.rank == owner
+                         else irecv(self.comm, count, owner, _TAG))
         self._wait_all(works)
         if self.rank == to:
             full["state"] = dict(sorted(full["state"].items()))
@@ -238,7 +246,11 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
         if sorted(state) != list(range(len(self.params))):
             raise ValueError(f"state dict holds parameters {sorted(state)}, this optimizer has "
                              f"{len(self.params)}")
-        shard = dict(state_dict, state={k: state[i] for k, i in enumerate(self.shard)})
+        steps = state_dict.get("param_steps")
+        steps = np.full(len(self.params), state_dict["steps"]) if steps is None else \
+            np.asarray(steps)
+        shard = dict(state_dict, state={k: state[i] for k, i in enumerate(self.shard)},
+                     param_steps=steps[self._shard_index])
         self.local.load_state_dict(shard)
         self.local.set_hyperparameter("max_grad_norm", None)  # ZeRO clips all, never a shard
 

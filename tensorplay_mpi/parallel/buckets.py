@@ -15,13 +15,21 @@ __all__ = ["Bucket", "GradientViews", "make_buckets"]
 
 
 class Bucket:
-    """One flat gradient buffer and the parameters whose gradients live in it."""
+    """One flat gradient buffer and the parameters whose gradients live in it.
 
-    __slots__ = ("flat", "members", "_zeros")
+    ``flat`` holds the gradients, then one "used" flag per member (1 where this rank produced
+    a gradient, 0 where not): the bucket's allreduce sums them with the gradients, so every
+    rank learns how many ranks used each parameter without a message of its own.
+    """
+
+    __slots__ = ("flat", "members", "index", "flags", "_zeros")
 
     def __init__(self, like: Any, members: list[int], sizes: list[int]) -> None:
-        self.flat = zeros_like(like, sum(sizes))  # on the device and of the kind of `like`
+        n = sum(sizes)
+        self.flat = zeros_like(like, n + len(members))  # on the device and kind of `like`
         self.members = members  # parameter indices, in fill (reverse parameter) order
+        self.index = np.asarray(members, dtype=np.intp)
+        self.flags = self.flat[n:]  # the "used" flags, summed with the gradients
         self._zeros: np.ndarray | None = None
 
     @property
@@ -32,12 +40,14 @@ class Bucket:
         return self._zeros
 
 
-def make_buckets(params: list[np.ndarray], cap_bytes: float) -> tuple[list[Bucket], list[int],
-                                                                       list[np.ndarray]]:
+def make_buckets(params: list[np.ndarray], cap_bytes: float,
+                 frozen: Sequence[bool] = ()) -> tuple[list[Bucket], list[int], list[np.ndarray]]:
     """Pack gradients of `params` into buckets of at most `cap_bytes` (one set per dtype).
 
     Buckets fill in reverse parameter order, the order a backward pass produces gradients;
-    a parameter larger than the cap gets a bucket of its own.
+    a parameter larger than the cap gets a bucket of its own.  A parameter flagged in
+    `frozen` gets no bucket (its bucket index is -1) and a zero gradient that holds
+    no memory (a zero-stride view of one element).
 
     Returns
     -------
@@ -50,7 +60,10 @@ def make_buckets(params: list[np.ndarray], cap_bytes: float) -> tuple[list[Bucke
     """
     plans: list[tuple[np.dtype, list[int]]] = []  # (dtype, members), in fill order
     filling: dict[np.dtype, tuple[int, int]] = {}  # dtype -> (its filling plan, bytes used)
+    frozen = list(frozen) + [False] * (len(params) - len(frozen))
     for index in reversed(range(len(params))):
+        if frozen[index]:
+            continue
         param = params[index]
         current, used = filling.get(param.dtype, (None, 0))
         if current is None or used + param.nbytes > cap_bytes:
@@ -59,8 +72,8 @@ def make_buckets(params: list[np.ndarray], cap_bytes: float) -> tuple[list[Bucke
         plans[current][1].append(index)
         filling[param.dtype] = (current, used + param.nbytes)
 
-    buckets, bucket_of = [], [0] * len(params)
-    views: dict[int, np.ndarray] = {}  # parameter index -> its gradient view
+    buckets, bucket_of = [], [-1] * len(params)
+    views = {i: _no_gradient(params[i]) for i in range(len(params)) if frozen[i]}
     for k, (_, members) in enumerate(plans):
         bucket = Bucket(params[members[0]], members, [params[i].size for i in members])
         offset = 0
@@ -71,6 +84,13 @@ def make_buckets(params: list[np.ndarray], cap_bytes: float) -> tuple[list[Bucke
             offset += size
         buckets.append(bucket)
     return buckets, bucket_of, [views[i] for i in range(len(params))]
+
+
+def _no_gradient(param: Any) -> np.ndarray:
+    """A frozen parameter's gradient: zeros of its shape in one element of memory (frozen
+    parameters are torch parameters, so on the CPU; torch refuses read-only arrays)."""
+    return np.lib.stride_tricks.as_strided(np.zeros(1, param.dtype), param.shape,
+                                           (0,) * param.ndim)
 
 
 _VIEWS_OF_MEMORY: "weakref.WeakValueDictionary[tuple, GradientViews]" = \

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -37,9 +37,9 @@ from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join, JoinHook
 from ..buffers import check_disjoint, device_of, is_device_array
 from ..comm import Work, iallreduce, ibcast
-from ..tensors import as_arrays, is_tensor, like
+from ..tensors import as_array, as_arrays, is_tensor, like
 from .buckets import GradientViews, make_buckets
-from .torch_grads import TorchGradients, check_unbound
+from .torch_grads import TorchGradients, check_unbound, frozen_mask
 
 __all__ = ["DataParallel"]
 
@@ -63,11 +63,27 @@ def _check_arrays(given: Any, name: str, floating: bool) -> tuple[list[Any], lis
         if array.dtype == object:
             raise TypeError(f"{name}[{i}] has dtype object, which MPI cannot send")
         if not array.flags.c_contiguous:
-            raise ValueError(f"{name}[{i}] must be C-contiguous (use numpy.ascontiguousarray)")
+            raise ValueError(f"{name}[{i}] must be C-contiguous ({_contiguous_remedy(given[i])})")
         if not getattr(array.flags, "writeable", True):
             raise ValueError(f"{name}[{i}] is read-only: DataParallel writes it on every rank "
                              "(broadcasts from other ranks, in-place updates)")
     return given, arrays
+
+
+def _contiguous_remedy(given: Any) -> str:
+    """How to make `given` contiguous in place: a copy would train memory nobody reads."""
+    if is_tensor(given):
+        return ("a torch tensor: make the model's own tensor contiguous before DataParallel is "
+                "built, `with torch.no_grad(): p.data = p.data.contiguous()`; passing "
+                "p.contiguous() would train a copy the model never reads")
+    return "use numpy.ascontiguousarray, and train the copy"
+
+
+def _check_update(update: Any) -> Callable[[], Any] | None:
+    if update is not None and not callable(update):
+        raise TypeError(f"update must be a callable taking no argument (for example "
+                        f"opt.step), got {type(update).__name__}")
+    return update
 
 
 def _one_device(arrays: list[Any]) -> str:
@@ -95,10 +111,10 @@ class _Step:
     """
 
     __slots__ = ("number", "heartbeat", "resolved", "syncs", "root", "divisor", "ready",
-                 "unready", "works")
+                 "unready", "works", "micro_batches", "seen")
 
     def __init__(self, number: int, heartbeat: Work | None, syncs: bool,
-                 params: int, bucket_sizes: list[int]) -> None:
+                 params: int, bucket_sizes: list[int], micro_batches: int = 1) -> None:
         self.number = number
         self.heartbeat = heartbeat  # waited for at most once, where its count is first needed
         self.resolved = False
@@ -108,6 +124,8 @@ class _Step:
         self.ready = np.zeros(params, dtype=bool)  # mark_ready flags per parameter
         self.unready = list(bucket_sizes)  # members not yet marked ready, per bucket
         self.works: list[Work] = []
+        self.micro_batches = micro_batches  # backward passes per parameter before it is ready
+        self.seen = np.zeros(params, dtype=np.int64) if micro_batches > 1 else None
 
 
 class _MustEnter:
@@ -164,8 +182,15 @@ class DataParallel(GuardedJoinable):
         Seconds any wait may take (default ``$TENSORPLAY_MPI_TIMEOUT`` or 1800).
     overlap : bool, default True
         With torch parameters: each one's post-accumulate-grad hook calls :meth:`mark_ready`,
-        so buckets start reducing during ``loss.backward()``.  A second backward pass in one
-        step then raises; accumulate over steps with :meth:`no_sync`, or pass False.
+        so buckets start reducing during ``loss.backward()``.  To accumulate K micro-batches
+        (K backward passes) in one step, enter it as ``with dp.step(micro_batches=K):``.
+    update : callable, optional
+        ``update()``, no argument: run on every rank once per synchronising step, after the
+        gradients are averaged: on an active rank at the end of ``with dp.step():``, on a
+        joined rank in its shadow of that step.  Put the optimizer step there, with whatever
+        goes with it (``clip_grad_norm_``, ``opt.step()``, ``sched.step()``): parameters,
+        optimizer and scheduler state then stay identical on every rank, with any optimizer.
+        An exception in it raises on every rank.  The recommended torch loop.
 
     Attributes
     ----------
@@ -173,6 +198,22 @@ class DataParallel(GuardedJoinable):
         One gradient per parameter, shaped like it: zero-copy views into the buckets (torch
         tensors when `params` are).  Write the local gradient there during a step; after the
         step it holds the average.
+    used : numpy.ndarray of bool
+        Per parameter: whether any rank produced a gradient for it in the last synchronising
+        step (before the first, True but for frozen parameters).  The library's optimizers
+        step only these, as torch.optim steps only parameters whose ``p.grad`` is not None.
+
+    Notes
+    -----
+    Parameters without a gradient follow torch.optim.  A torch ``Parameter`` with
+    ``requires_grad=False`` when DataParallel is built is frozen: it gets no bucket, its
+    ``p.grad`` stays None and ``used`` is False for it; freezing or unfreezing a parameter
+    afterwards raises ``RuntimeError`` at the next step (build a new DataParallel).  A torch
+    parameter that no rank's autograd gave a gradient in a step (``model.zero_grad()`` then a
+    backward pass that does not reach it) ends the step with ``p.grad is None`` on every rank;
+    where some ranks gave one, it is averaged with zeros from the others.  Arrays (and
+    tensors trained by hand) are used by default; a rank passes ``dp.step(unused=indices)``
+    for those it produced no gradient for in that step.
 
     Raises
     ------
@@ -205,12 +246,16 @@ class DataParallel(GuardedJoinable):
         buffers: Sequence[np.ndarray] = (),
         timeout: float | None = None,
         overlap: bool = True,
+        update: Callable[[], Any] | None = None,
     ) -> None:
         super().__init__(comm, timeout)
         refused = None
         given: list[Any] = []
+        frozen: list[bool] = []
+        self._update: Callable[[], Any] | None = None
         try:
             given, self.params = _check_arrays(params, "params", floating=True)
+            frozen = frozen_mask(given)
             check_unbound(given)
             self.buffers = _check_arrays(buffers, "buffers", floating=False)[1]
             self.device = _one_device(self.params + self.buffers)
@@ -218,18 +263,29 @@ class DataParallel(GuardedJoinable):
             if not bucket_cap_mb > 0:
                 raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
             broadcast_from = _check_rank(broadcast_from, "broadcast_from", self.size)
+            self._update = _check_update(update)
         except (TypeError, ValueError) as error:
             refused = error
         layout = ([(a.shape, a.dtype.str) for a in self.params],
-                  [(a.shape, a.dtype.str) for a in self.buffers]) if refused is None else None
-        self._check_arguments(refused, layout, "parameter or buffer shapes/dtypes",
-                              f"params {layout and layout[0]} and buffers {layout and layout[1]}",
+                  [(a.shape, a.dtype.str) for a in self.buffers],
+                  [i for i, f in enumerate(frozen) if f]) if refused is None else None
+        self._check_arguments(refused, layout, "parameter or buffer shapes/dtypes, or frozen "
+                              "parameters", f"params {layout and layout[0]}, buffers "
+                              f"{layout and layout[1]} and frozen params {layout and layout[2]}",
                               broadcast_from=broadcast_from, bucket_cap_mb=bucket_cap_mb)
-        self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20)
+        self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20,
+                                                             frozen)
         self.grads = GradientViews([like(p, v) for p, v in zip(given, views)], owner=self)
         self._broadcast(self.params + self.buffers, broadcast_from, "initial broadcast")
-        self._torch = TorchGradients(given, self.grads,
-                                     DataParallel._accumulated if overlap else None, self)
+        self._overlap = overlap
+        self._torch = TorchGradients(given, self.grads, DataParallel._accumulated, self)
+        self.used = ~np.asarray(frozen, dtype=bool)
+        self._has = self._torch.has  # per parameter: this rank has a gradient since the last sync
+        self._manual = np.flatnonzero(~self._torch.bound & self.used)  # arrays, hand-trained
+        self._has[self._manual] = False  # each step marks them used unless told otherwise
+        torch_params = [(i, p, bool(p.requires_grad)) for i, p in enumerate(given)
+                        if is_tensor(p)]
+        self._requires = torch_params  # requires_grad at construction, checked at each step
 
         self._sync = True  # False inside no_sync()
         self._unentered: _MustEnter | None = None  # a step() or no_sync() never entered
@@ -280,9 +336,22 @@ class DataParallel(GuardedJoinable):
         for bucket in self._buckets:
             bucket.flat.fill(0)
 
-    def step(self) -> contextlib.AbstractContextManager["DataParallel"]:
+    def step(self, micro_batches: int = 1,
+             unused: Sequence[int] = ()) -> contextlib.AbstractContextManager["DataParallel"]:
         """One training step, as ``with dp.step():``: heartbeat on enter; on exit every bucket
-        is averaged.
+        is averaged, then ``update`` runs (when given).
+
+        Parameters
+        ----------
+        micro_batches : int, default 1
+            Backward passes per parameter in this step: with K, the gradients of K
+            micro-batches accumulate inside the step (``loss_k.backward()`` K times; each
+            ``p.grad`` sums them, as without DataParallel) and are averaged once.  This is
+            the accumulation that works inside a Join with any optimizer; with the overlap, a
+            parameter's bucket starts after its K-th gradient.
+        unused : sequence of int
+            Indices of array (not autograd) parameters this rank produced no gradient for in
+            this step (see the class notes); torch parameters are read from autograd.
 
         Collective over ``comm``.  Inside a Join, ``dp`` must be its first joinable (it reads
         the heartbeat).  Outside a Join every rank is taken to be active: with uneven inputs
@@ -290,10 +359,38 @@ class DataParallel(GuardedJoinable):
         would with plain MPI; use a Join.  Called without ``with`` it does nothing, and the
         next use of ``dp`` raises ``RuntimeError``.
         """
-        return _MustEnter(self, self._run_step(), "step")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral) \
+                or micro_batches < 1:
+            raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+        unused = self._check_unused(unused) if len(unused) else None
+        return _MustEnter(self, self._run_step(int(micro_batches), unused), "step")
+
+    def _check_unused(self, unused: Sequence[int]) -> np.ndarray:
+        indices = np.asarray(unused)
+        if indices.dtype.kind not in "iu" or indices.ndim != 1:
+            raise TypeError(f"unused must be a sequence of int parameter indices, got {unused!r}")
+        for i in indices.tolist():
+            if not 0 <= i < len(self.params):
+                raise IndexError(f"unused: parameter index {i} out of range "
+                                 f"[0, {len(self.params)})")
+            if self._torch.bound[i]:
+                raise ValueError(f"unused: parameter {i} is a torch parameter that requires "
+                                 "gradients; whether it is used is read from autograd (its "
+                                 "p.grad), not passed")
+        return indices
+
+    def _check_frozen(self) -> None:
+        for i, p, requires in self._requires:
+            if bool(p.requires_grad) != requires:
+                state = "frozen" if requires else "unfrozen"
+                raise RuntimeError(
+                    f"params[{i}] was {state} (requires_grad set to {not requires}) after "
+                    "DataParallel was built; DataParallel reads requires_grad once, as DDP: "
+                    "build a new DataParallel after changing which parameters train")
 
     @contextlib.contextmanager
-    def _run_step(self) -> Iterator["DataParallel"]:
+    def _run_step(self, micro_batches: int = 1,
+                  unused: np.ndarray | None = None) -> Iterator["DataParallel"]:
         if self._step is not None:
             raise RuntimeError("dp.step() is already active: steps cannot nest")
         heartbeat = Join.notify_join_context(self)
@@ -304,8 +401,12 @@ class DataParallel(GuardedJoinable):
                                "Join([dp, ...])")
         self._steps += 1
         self._step = step = _Step(self._steps, heartbeat, self._sync, len(self.params),
-                                  [len(b.members) for b in self._buckets])
+                                  [len(b.members) for b in self._buckets], micro_batches)
         with self._settling_failures(step):
+            if self._requires:
+                self._check_frozen()
+            if self._manual.size:
+                self._mark_manual(unused)
             if self._torch:
                 self._torch.bind(range(len(self.params)))
             if self.buffers:
@@ -314,18 +415,49 @@ class DataParallel(GuardedJoinable):
             if self._torch:  # what no hook saw: model.zero_grad() inside the step, say
                 self._torch.bind(np.flatnonzero(~step.ready).tolist())
             self._finish_buckets(step)
+            self._after_step(step)
+
+    def _mark_manual(self, unused: np.ndarray | None) -> None:
+        """Array parameters are used in this step unless listed in `unused`."""
+        if unused is None:
+            self._has[self._manual] = True
+        else:
+            mask = np.zeros(len(self.params), dtype=bool)
+            mask[self._manual] = True
+            mask[unused] = False
+            self._has[mask] = True
+
+    def _after_step(self, step: _Step) -> None:
+        """On every rank, active or joined: publish which gradients exist, then ``update``."""
+        if not step.syncs:
+            if self._torch:
+                self._torch.keep_local()
+            return
+        if self._torch:
+            self._torch.publish(self.used)
+        if self._manual.size:
+            self._has[self._manual] = False
+        if self._update is not None:
+            self._update()
 
     def _accumulated(self, index: int) -> None:
-        """The post-accumulate-grad hook of torch parameter `index`: bind, then mark ready."""
+        """The post-accumulate-grad hook of torch parameter `index`: bind, then (overlap) mark
+        ready after the step's last micro-batch."""
         self._torch.bind((index,))
+        self._has[index] = True
         step = self._step
-        if step is None or (step.ready[index] and not step.syncs):
+        if not self._overlap or step is None or (step.ready[index] and not step.syncs):
             return
+        if step.seen is not None:
+            step.seen[index] += 1
+            if step.seen[index] < step.micro_batches:
+                return
         if step.ready[index]:
             raise RuntimeError(
-                f"parameter {index} got a second gradient in one dp.step() (two backward "
-                "passes): its bucket may already be reducing. Accumulate over steps inside "
-                "dp.no_sync(), or construct DataParallel(..., overlap=False)")
+                f"parameter {index} got more gradients in one dp.step() than its micro_batches "
+                f"({step.micro_batches}): its bucket may already be reducing. To accumulate K "
+                "micro-batches, enter the step as `with dp.step(micro_batches=K):` and call "
+                "backward K times inside it")
         self.mark_ready(index)
 
     def mark_ready(self, index: int) -> None:
@@ -342,6 +474,9 @@ class DataParallel(GuardedJoinable):
             raise IndexError(f"parameter index {index} out of range [0, {len(self.params)})")
         if step.ready[index]:
             raise RuntimeError(f"mark_ready({index}) was already called in this step")
+        if self._bucket_of[index] < 0:
+            raise ValueError(f"mark_ready({index}): parameter {index} is frozen (it has no "
+                             "bucket)")
         step.ready[index] = True
         step.unready[self._bucket_of[index]] -= 1
         if step.syncs:
@@ -397,11 +532,15 @@ class DataParallel(GuardedJoinable):
             raise RuntimeError(
                 f"{syncing} of {active} active ranks synchronise gradients in this step: every "
                 "active rank must use dp.no_sync() for the same steps")
-        if not syncing and self.grads.stateful_optimizer() is not None:
+        optimizer = self.grads.stateful_optimizer()
+        join = self.join_context
+        if not syncing and optimizer is not None and join is not None \
+                and any(j is optimizer for j in join.joinables):
             raise RuntimeError(
-                "dp.no_sync() while a rank has joined, with a stateful optimizer in the Join: "
-                "joined ranks step the optimizer every round, so its state would diverge; "
-                "accumulate micro-batches inside one dp.step() instead")
+                f"dp.no_sync() while a rank has joined, with {type(optimizer).__name__} in the "
+                "Join: a joined rank steps it every round, so its state would diverge. "
+                "Accumulate K micro-batches inside one step, `with dp.step(micro_batches=K):` "
+                "with K backward passes")
         if by_world and by_active:
             raise ValueError(
                 f"joined ranks passed different divide_by_initial_world_size to their Join "
@@ -411,10 +550,20 @@ class DataParallel(GuardedJoinable):
 
     def _start_bucket(self, step: _Step, k: int, shadow: bool = False) -> None:
         bucket = self._buckets[k]
+        if not shadow:
+            self._set_flags(bucket)
         sendbuf = bucket.zeros if shadow else MPI.IN_PLACE
         step.works.append(iallreduce(
             self.comm, sendbuf, bucket.flat, MPI.SUM,
             f"bucket {k + 1} of {len(self._buckets)} (step {step.number})"))
+
+    def _set_flags(self, bucket: Any) -> None:
+        """This rank's "used" flags of `bucket`; a gradient it has not produced is zero."""
+        has = self._has[bucket.index]
+        bucket.flags[...] = has
+        if not has.all():
+            for i in bucket.index[~has].tolist():
+                as_array(self.grads[i])[...] = 0
 
     def _finish_buckets(self, step: _Step, shadow: bool = False) -> None:
         """Start the buckets not started yet (a joined rank: all, sending zeros), then average."""
@@ -429,6 +578,7 @@ class DataParallel(GuardedJoinable):
             if len(works) == k + 1 and k < last:
                 self._start_bucket(step, k + 1, shadow)  # posted before this bucket's division
             bucket.flat /= step.divisor
+            self.used[bucket.index] = bucket.flags > 0
 
     @contextlib.contextmanager
     def _settling_failures(self, step: _Step) -> Iterator[None]:
@@ -464,6 +614,7 @@ class DataParallel(GuardedJoinable):
             self._exchange_control(step, divide_by_world)
             self._broadcast(self.buffers, step.root, "buffer broadcast")
             self._finish_buckets(step, shadow=True)
+            self._after_step(step)
 
     def _final_broadcast(self, is_last_joiner: bool) -> None:
         """Broadcast from the highest last joiner: buffers always, params unless all are last.
@@ -484,7 +635,8 @@ class DataParallel(GuardedJoinable):
         it holds state, must be in the Join (``RuntimeError`` naming ``Join([dp, opt])``), and
         no ``dp.step()`` may have been called without ``with``."""
         self._check_entered()
-        self.grads.check_optimizer(self.join_context)
+        if self._update is None:  # with update=, the optimizer steps there, not in the Join
+            self.grads.check_optimizer(self.join_context)
 
     def join_hook(self, *, divide_by_initial_world_size: bool = True,
                   **kwargs: Any) -> JoinHook:

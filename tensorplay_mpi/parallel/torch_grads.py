@@ -8,6 +8,12 @@ caller may assign ``p.grad``.  :meth:`TorchGradients.bind` repairs either before
 read: a gradient of ``None`` is zero, another tensor is copied into the view, and ``p.grad``
 is the view again.  DataParallel binds at every step's start, in the post-accumulate-grad hook
 of each parameter, and at the step's end for parameters no hook marked ready.
+
+Which parameters have a gradient, in torch's sense (``p.grad is not None`` in a program
+without DataParallel), is tracked in :attr:`TorchGradients.has`: a ``None`` found when binding
+clears it, a backward pass (the hook) or a tensor assigned by the caller sets it.  After a
+synchronising step :meth:`TorchGradients.publish` makes ``p.grad`` the averaged view where some
+rank had a gradient, and ``None`` where no rank had one, as DDP's ``find_unused_parameters``.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
 from ..tensors import is_tensor
 
-__all__ = ["TorchGradients", "check_unbound"]
+__all__ = ["TorchGradients", "check_unbound", "frozen_mask"]
 
 _BINDING = "_tensorplay_mpi_binding"  # the attribute of a bound parameter: weakref to its binding
 
@@ -29,6 +37,23 @@ def check_unbound(params: list[Any]) -> None:
             raise ValueError(f"params[{i}] already has its gradient bound to the buckets of "
                              "another DataParallel: use one DataParallel per model (delete "
                              "the other one first)")
+
+
+def frozen_mask(params: list[Any]) -> list[bool]:
+    """Which of `params` are frozen: torch ``Parameter`` s with ``requires_grad=False``.
+
+    A plain tensor that does not require gradients is not frozen: it is trained by hand,
+    its gradient written into ``dp.grads``, as a NumPy array is.
+    """
+    torch = _torch()
+    if torch is None:
+        return [False] * len(params)
+    return [isinstance(p, torch.nn.Parameter) and not p.requires_grad for p in params]
+
+
+def _torch() -> Any:
+    import sys
+    return sys.modules.get("torch")
 
 
 class TorchGradients:
@@ -45,6 +70,12 @@ class TorchGradients:
         `owner` (held weakly: a collected owner's hooks do nothing) and the parameter index.
     owner : object, optional
         What `on_accumulated` is called with.
+
+    Attributes
+    ----------
+    has : numpy.ndarray of bool
+        Per parameter of `params`: whether it has a gradient in torch's sense.  Parameters
+        that are not bound are left True (their owner decides).
     """
 
     def __init__(self, params: list[Any], grads: Any,
@@ -52,6 +83,9 @@ class TorchGradients:
                  owner: Any = None) -> None:
         self._params = {i: p for i, p in enumerate(params) if is_tensor(p) and p.requires_grad}
         self._grads = grads
+        self.has = np.ones(len(params), dtype=bool)
+        self.bound = np.zeros(len(params), dtype=bool)
+        self.bound[list(self._params)] = True
         self.bind(self._params)
         for p in self._params.values():
             setattr(p, _BINDING, weakref.ref(self))
@@ -77,7 +111,28 @@ class TorchGradients:
                 view.zero_()
             else:
                 view.copy_(grad)
+            self.has[i] = grad is not None
             p.grad = view
+
+    def publish(self, used: np.ndarray) -> None:
+        """After a synchronising step: ``p.grad`` is the (averaged) view where `used`, else
+        ``None`` with the view zeroed (no rank produced a gradient)."""
+        for i, p in self._params.items():
+            view = self._grads[i]
+            if used[i]:
+                if p.grad is not view:
+                    p.grad = view
+            else:
+                view.zero_()
+                p.grad = None
+        self.has[self.bound] = used[self.bound]
+
+    def keep_local(self) -> None:
+        """After a step that does not synchronise: ``p.grad`` is ``None`` where this rank has
+        no gradient, as in a program without DataParallel."""
+        for i, p in self._params.items():
+            if not self.has[i] and p.grad is not None:
+                p.grad = None
 
 
 def _call(ref: weakref.ref, fn: Callable[[Any, int], None], index: int) -> None:
