@@ -34,7 +34,7 @@ steps = 0 if where == "joined" and world.rank == 0 else 4
 error = None
 try:
     with Join([dp]):
-        for t in range(steps):
+        for _ in range(steps):
             model.zero_grad()
             with dp.step():
                 model(torch.ones(1, 3)).sum().backward()
