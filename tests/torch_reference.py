@@ -49,12 +49,15 @@ def loss_of(model: Branchy, rank: int, t: int, m: int = 0,
 
 
 def serial(make_update: Callable[[Branchy], Callable[[], None]], inputs: list[int],
-           uses: Callable[[int, int], bool] = always, micro: int = 1,
+           uses: Callable[[int, int], bool] = always,
+           micro: int | Callable[[int, int], int] = 1,
            prepare: Callable[[Branchy], None] = lambda model: None) -> Branchy:
     """The global steps replayed serially on one model; `make_update(model)` gives the step.
 
-    `prepare(model)` runs first (freezing a layer, say).
+    `micro` is the number of micro-batches of each step, or a function of (rank, step) giving
+    it; `prepare(model)` runs first (freezing a layer, say).
     """
+    micro_of = micro if callable(micro) else (lambda rank, t: micro)
     model = Branchy()
     prepare(model)
     update = make_update(model)
@@ -62,7 +65,7 @@ def serial(make_update: Callable[[Branchy], Callable[[], None]], inputs: list[in
         model.zero_grad(set_to_none=True)
         for rank in range(len(inputs)):
             if inputs[rank] > t:
-                for m in range(micro):
+                for m in range(micro_of(rank, t)):
                     loss_of(model, rank, t, m, uses).backward()
         for p in model.parameters():
             if p.grad is not None:
