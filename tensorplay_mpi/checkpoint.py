@@ -30,6 +30,7 @@ from .buffers import is_device_array
 from .comm import check_comm, default_comm, iallgather, resolve_timeout
 from .guard import Guard
 from .optim import Optimizer, ZeroRedundancyOptimizer
+from .tensors import as_array, as_arrays
 
 __all__ = ["save", "load", "Saved", "Resumed", "MANIFEST"]
 
@@ -129,6 +130,7 @@ def _shard_path(directory: str, rank: int, size: int, token: int) -> str:
 
 
 def _host(array: Any) -> np.ndarray:
+    array = as_array(array)  # a torch tensor (requiring grad or not): its NumPy view
     return array.get() if is_device_array(array) else np.asarray(array)
 
 
@@ -252,15 +254,18 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     ----------
     directory : str or os.PathLike
         The checkpoint directory, on a file system every rank sees.
-    params, buffers : sequences of arrays
-        NumPy or CuPy arrays; rank 0's are saved.
+    params, buffers : sequences of arrays or torch CPU tensors
+        NumPy or CuPy arrays, or torch tensors (``model.parameters()``, ``model.buffers()``,
+        parameters that require grad included); rank 0's are saved, bitwise.
     optimizer : optional
         A local optimizer (rank 0's state is saved: it is the same on every rank) or a
         :class:`~tensorplay_mpi.optim.ZeroRedundancyOptimizer`.
     step, epoch, cursor : int
         The counters (the same on every rank) and this rank's data cursor.
     extra : mapping of str to array, optional
-        Small arrays saved as rank 0 has them (say, the epoch's running totals).
+        Small arrays saved as rank 0 has them (say, the epoch's running totals).  A torch
+        optimizer's or scheduler's state goes here as arrays:
+        :func:`tensorplay_mpi.torch_state.state_arrays`.
     zero : {"sharded", "consolidated"}
         For a ZeroRedundancyOptimizer: each rank writes its shard's state to its own file, or
         rank 0 gathers the full state (``consolidate_state_dict``) and writes it.
@@ -284,6 +289,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     """
     comm = check_comm(default_comm() if comm is None else comm)
     timeout = resolve_timeout(timeout)
+    params, buffers = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
     Guard.attach(comm)
     start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -336,7 +342,8 @@ def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequen
             manifest = _manifest(params, buffers, optimizer, kind, every, extra, int(every[0, 3]))
     except Exception as failed:
         error = failed
-    _agree(comm, error, "checkpoint write (optimizer shards)", timeout)
+    _agree(comm, error, "checkpoint write (optimizer shards and the manifest's contents)"
+           if kind == "zero-sharded" else "checkpoint write (the manifest's contents)", timeout)
     try:
         if rank == 0:
             nbytes += _write(os.path.join(directory, MANIFEST), manifest)
@@ -406,6 +413,7 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     """
     comm = check_comm(default_comm() if comm is None else comm)
     timeout = resolve_timeout(timeout)
+    params, buffers = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
     Guard.attach(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     path = os.path.join(os.fspath(directory), MANIFEST)

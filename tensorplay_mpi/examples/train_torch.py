@@ -5,32 +5,44 @@ Run (install the ``torch`` and ``examples`` extras)::
     mpiexec -n 4 python -m mpi4py -m tensorplay_mpi.examples.train_torch --epochs 30
 
 The same data, shards, flags and output lines as :mod:`tensorplay_mpi.examples.train`, and the
-same initial weights, but the MLP is a ``torch.nn.Sequential`` trained by autograd:
-``model.zero_grad()``, ``with dp.step(): loss.backward()``, ``opt.step()`` inside
-``Join([dp, opt])``.  DataParallel binds each ``p.grad`` to its bucket, so ``backward()``
-writes the gradients where the allreduce reads them, and each parameter's post-accumulate-grad
-hook starts its bucket during the backward pass.  CPU only (``--device cuda`` exits with a
+same initial weights, but the MLP is a ``torch.nn.Sequential`` trained by autograd with
+``torch.optim.AdamW``, a ``OneCycleLR`` schedule and ``clip_grad_norm_``: the recommended torch
+loop, ``model.zero_grad()`` and ``with dp.step(): loss.backward()`` inside ``Join([dp])``, the
+update (clip, ``opt.step()``, ``sched.step()``) given to ``DataParallel(..., update=...)`` so
+that a rank that has run out of batches runs it too.  DataParallel binds each ``p.grad`` to its
+bucket, so ``backward()`` writes the gradients where the allreduce reads them.
+
+``--checkpoint DIR`` stops and resumes exactly as in :mod:`tensorplay_mpi.examples.train`: a
+signal stops every rank at one step, the job saves the parameters, the optimizer's and the
+scheduler's state (:mod:`tensorplay_mpi.torch_state`) and exits 75; the same command resumes
+and ends with the digest of a run never stopped.  CPU only (``--device cuda`` exits with a
 message: torch GPU tensors are not supported, use ``examples.train --device cuda``).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import math
 import sys
 import time
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import SGD, DataParallel, Join
-from tensorplay_mpi.data import batches, shard
+from tensorplay_mpi import DataParallel, Join, checkpoint, stop_on_signals, torch_state
+from tensorplay_mpi.data import batches, shard, shard_sizes
 
-from .train import MISSING_SKLEARN, epoch_done, header, init_mlp, load_digits_split, \
+from .train import MISSING_SKLEARN, STOPPED, epoch_done, header, init_mlp, load_digits_split, \
     make_parser, report
 
 MISSING_TORCH = ("the torch demo needs PyTorch: pip install 'tensorplay-mpi[torch,examples]', "
                  "or from a clone pip install -e '.[torch,examples]'")
 NO_CUDA = ("the torch demo runs on the CPU: tensorplay_mpi takes torch tensors on the CPU only; "
            "run tensorplay_mpi.examples.train --device cuda for the GPU demo (CuPy)")
+LR = 0.01  # AdamW's default learning rate here (the NumPy demo's --lr is plain SGD's)
+MAX_NORM = 1.0  # clip_grad_norm_'s
 
 
 def make_model(n_in: int, hidden: int, n_out: int, seed: int):
@@ -46,11 +58,32 @@ def make_model(n_in: int, hidden: int, n_out: int, seed: int):
     return model
 
 
+def make_update(model: Any, lr: float, total_steps: int):
+    """AdamW, OneCycleLR and clip_grad_norm_: the update ``DataParallel`` runs on every rank."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=total_steps)
+
+    def update() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        sched.step()
+    return opt, sched, update
+
+
+def loss_of(model: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    """The forward pass and the loss of one batch: (logits, loss)."""
+    import torch
+
+    logits = model(x)
+    return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
+    parser.set_defaults(lr=LR)
     args = parser.parse_args(argv)
-    if args.checkpoint:
-        parser.error("--checkpoint: stop and resume are the NumPy demo's (examples.train)")
     if args.device != "cpu":
         raise SystemExit(NO_CUDA)
     try:
@@ -58,33 +91,74 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         raise SystemExit(MISSING_TORCH) from None
     torch.set_num_threads(1)  # one core per rank, as the NumPy demo
+    # from the start: a signal during the set-up rides in the first heartbeat
+    with stop_on_signals() if args.checkpoint else contextlib.nullcontext():
+        return run(args, MPI.COMM_WORLD)
 
-    comm = MPI.COMM_WORLD
+
+def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
+    """Train, report; the exit status (0, 1, or :data:`~tensorplay_mpi.examples.train.STOPPED`)."""
+    import torch
+
     try:
         (x_train, y_train), (x_test, y_test) = load_digits_split(args.seed)
     except ImportError:
         raise SystemExit(MISSING_SKLEARN) from None
     mine = shard(len(y_train), comm.rank, comm.size, args.skew)
+    per_epoch = math.ceil(max(shard_sizes(len(y_train), comm.size, args.skew)) / args.batch_size)
     model = make_model(x_train.shape[1], args.hidden, 10, args.seed)
-    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
-    opt = SGD(model.parameters(), dp.grads, lr=args.lr)
+    opt, sched, update = make_update(model, args.lr, args.epochs * per_epoch)
+    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(), update=update)
     header(comm, args, len(y_train), len(y_test))
+    first, skip, carried = 1, 0, np.zeros(3)
+    resumed = checkpoint.load(args.checkpoint, model.parameters(), buffers=model.buffers(),
+                              comm=comm) if args.checkpoint else None
+    if resumed is not None:
+        torch_state.load_state_arrays(opt, resumed.extra, "optimizer")
+        torch_state.load_state_arrays(sched, resumed.extra, "scheduler")
+        first, skip = resumed.epoch, resumed.cursor
+        carried = resumed.extra["totals"] if comm.rank == 0 else carried
+        if comm.rank == 0:
+            where = ("training was complete" if first > args.epochs else
+                     f"epoch {first}, step {resumed.step} (batches done by rank: "
+                     f"{list(resumed.cursors)})")
+            print(f"resumed from {resumed.path}: {where}", flush=True)
+
+    def save(step: int, epoch: int, cursor: int, totals: np.ndarray) -> checkpoint.Saved:
+        extra = {"totals": totals, **torch_state.state_arrays(opt, "optimizer"),
+                 **torch_state.state_arrays(sched, "scheduler")}
+        return checkpoint.save(args.checkpoint, model.parameters(), buffers=model.buffers(),
+                               step=step, epoch=epoch, cursor=cursor, extra=extra, comm=comm)
 
     start = time.perf_counter()
-    for epoch in range(1, args.epochs + 1):
-        rng = np.random.default_rng([args.seed, epoch, comm.rank])
-        totals = np.zeros(3)  # loss sum, correct, samples
-        with Join([dp, opt], divide_by_initial_world_size=args.divide == "world"):
-            for idx in batches(mine, args.batch_size, rng):
+    for epoch in range(first, args.epochs + 1):
+        rng = np.random.default_rng([args.seed, epoch, comm.rank])  # order: f(seed, epoch)
+        done = skip if epoch == first else 0  # batches of this epoch consumed: the cursor
+        totals = carried.copy() if epoch == first else np.zeros(3)  # loss, correct, samples
+        with Join([dp], divide_by_initial_world_size=args.divide == "world") as join:
+            for idx in batches(mine, args.batch_size, rng)[done:]:
+                if join.stopped:  # every rank leaves at this same iteration
+                    break
                 x, y = torch.from_numpy(x_train[idx]), torch.from_numpy(y_train[idx])
                 model.zero_grad()
-                with dp.step():
-                    logits = model(x)
-                    loss = torch.nn.functional.cross_entropy(logits, y)
+                with dp.step():  # on exit: averaged gradients, then update() on every rank
+                    logits, loss = loss_of(model, x, y)
                     loss.backward()
-                opt.step()
                 totals += (loss.item() * len(idx), int((logits.argmax(1) == y).sum()), len(idx))
-        epoch_done(comm, epoch, args.epochs, comm.allreduce(totals))
+                done += 1
+        totals = comm.allreduce(totals)  # outside the Join: plain MPI is fine
+        if join.stopped:
+            step = (epoch - 1) * per_epoch + comm.allreduce(done, op=MPI.MAX)
+            saved = save(step, epoch, done, totals)
+            if comm.rank == 0:
+                print(f"stopped by {join.stop_reason} at epoch {epoch}, step {step}; checkpoint "
+                      f"{saved.path} written ({saved.nbytes / 1024:.0f} KiB in "
+                      f"{saved.seconds * 1e3:.1f} ms); run the same command to resume",
+                      flush=True)
+            return STOPPED
+        epoch_done(comm, epoch, args.epochs, totals)
+    if args.checkpoint and first <= args.epochs:  # so that running it again only reports
+        save(args.epochs * per_epoch, args.epochs + 1, 0, np.zeros(3))
     elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
     with torch.no_grad():
@@ -95,4 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == STOPPED:  # exit with it: under python -m mpi4py a nonzero exit would abort,
+        MPI.Finalize()     # which srun reports as "Killed" (137)
+    sys.exit(status)

@@ -1,0 +1,143 @@
+"""torch optimizer and scheduler state as arrays, for checkpoints: no pickle, bitwise.
+
+A torch ``state_dict()`` is a tree of dicts, lists and tuples holding tensors, numbers,
+strings, booleans and None.  :func:`state_arrays` turns it into flat NumPy arrays under one
+prefix: every tensor becomes an array of its dtype (``"PREFIX/3"``), the tree around them one
+JSON string (``"PREFIX/tree"``), in which floats round-trip exactly.  These are what
+:func:`tensorplay_mpi.checkpoint.save` takes as `extra` and loads without pickle;
+:func:`load_state_arrays` rebuilds the state dict and loads it::
+
+    from tensorplay_mpi import checkpoint, torch_state
+
+    extra = {**torch_state.state_arrays(opt, "opt"), **torch_state.state_arrays(sched, "sched")}
+    checkpoint.save(directory, model.parameters(), buffers=model.buffers(), extra=extra, ...)
+    ...
+    resumed = checkpoint.load(directory, model.parameters(), buffers=model.buffers())
+    if resumed is not None:
+        torch_state.load_state_arrays(opt, resumed.extra, "opt")
+        torch_state.load_state_arrays(sched, resumed.extra, "sched")
+
+torch is looked up in ``sys.modules`` (a caller with a torch optimizer has imported it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any, Mapping
+
+import numpy as np
+
+__all__ = ["state_arrays", "load_state_arrays"]
+
+
+def state_arrays(obj: Any, prefix: str) -> dict[str, np.ndarray]:
+    """``obj.state_dict()`` as arrays under `prefix` (``"PREFIX/tree"``, ``"PREFIX/0"``, ...).
+
+    Parameters
+    ----------
+    obj : object with ``state_dict()``
+        A torch optimizer or learning-rate scheduler (any object whose state dict holds
+        tensors, numbers, strings, booleans, None, and dicts, lists and tuples of them).
+    prefix : str
+        The name under which the arrays go; one per object saved in the same checkpoint.
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        Copies: later steps do not change them.
+
+    Raises
+    ------
+    TypeError
+        For a value that is none of the above (a function a scheduler kept, say: construct
+        the scheduler with it again and it is not state), or a tensor NumPy cannot hold
+        (bfloat16, on a GPU), naming where it is in the state dict.
+    """
+    _check_prefix(prefix)
+    arrays: dict[str, np.ndarray] = {}
+    tree = _encode(obj.state_dict(), arrays, prefix, "state_dict()")
+    arrays[f"{prefix}/tree"] = np.array(json.dumps(tree, allow_nan=True))
+    return arrays
+
+
+def load_state_arrays(obj: Any, arrays: Mapping[str, np.ndarray], prefix: str) -> None:
+    """Rebuild the state dict :func:`state_arrays` saved under `prefix`; ``obj.load_state_dict``.
+
+    Raises
+    ------
+    KeyError
+        If `arrays` (``resumed.extra``) hold nothing under `prefix`, naming the prefixes found.
+    """
+    _check_prefix(prefix)
+    key = f"{prefix}/tree"
+    if key not in arrays:
+        found = sorted({k.rsplit("/", 1)[0] for k in arrays if k.endswith("/tree")})
+        raise KeyError(f"no torch state saved under {prefix!r} (found: {found})")
+    tree = json.loads(str(arrays[key]))
+    obj.load_state_dict(_decode(tree, arrays, prefix))
+
+
+def _check_prefix(prefix: str) -> None:
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"prefix must be a non-empty str, got {prefix!r}")
+
+
+def _encode(value: Any, arrays: dict[str, np.ndarray], prefix: str, where: str) -> Any:
+    """JSON for `value`; its tensors and arrays go into `arrays`, referred to by number."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise TypeError(f"{where} is a torch tensor on {value.device}: save state from "
+                            "the CPU")
+        try:
+            host = value.detach().numpy().copy()
+        except (TypeError, RuntimeError) as error:
+            raise TypeError(f"{where} is a torch tensor of dtype {value.dtype}, which NumPy "
+                            f"cannot hold ({error})") from None
+        return _array(host, arrays, prefix, "tensor")
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise TypeError(f"{where} is a NumPy array of objects: only numbers can be saved")
+        return _array(value.copy(), arrays, prefix, "ndarray")
+    if isinstance(value, np.generic):
+        return {"numpy": value.dtype.str, "value": value.item()}
+    if isinstance(value, dict):
+        items = [[_encode(k, arrays, prefix, f"{where} key {k!r}"),
+                  _encode(v, arrays, prefix, f"{where}[{k!r}]")] for k, v in value.items()]
+        return {"dict": items}
+    if isinstance(value, (list, tuple)):
+        kind = "list" if isinstance(value, list) else "tuple"
+        return {kind: [_encode(v, arrays, prefix, f"{where}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": repr(value)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"{where} = {value!r} ({type(value).__name__}) cannot be saved without "
+                    "pickle: only tensors, numbers, strings, booleans, None, and dicts, lists "
+                    "and tuples of them")
+
+
+def _array(host: np.ndarray, arrays: dict[str, np.ndarray], prefix: str, kind: str) -> dict:
+    number = sum(1 for k in arrays if k != f"{prefix}/tree")
+    arrays[f"{prefix}/{number}"] = host
+    return {kind: number}
+
+
+def _decode(tree: Any, arrays: Mapping[str, np.ndarray], prefix: str) -> Any:
+    if not isinstance(tree, dict):
+        return tree
+    if "tensor" in tree:
+        return sys.modules["torch"].from_numpy(np.array(arrays[f"{prefix}/{tree['tensor']}"]))
+    if "ndarray" in tree:
+        return np.array(arrays[f"{prefix}/{tree['ndarray']}"])
+    if "numpy" in tree:
+        return np.dtype(tree["numpy"]).type(tree["value"])
+    if "float" in tree:
+        return float(tree["float"])
+    if "dict" in tree:
+        return {_decode(k, arrays, prefix): _decode(v, arrays, prefix) for k, v in tree["dict"]}
+    if "list" in tree:
+        return [_decode(v, arrays, prefix) for v in tree["list"]]
+    return tuple(_decode(v, arrays, prefix) for v in tree["tuple"])
