@@ -156,11 +156,14 @@ bench-threads: venv  ## a step with the default BLAS threads against one thread
 	$(PY) benchmarks/bench_threads.py --ranks 2 --out benchmarks/results/threads-2-ranks.json
 
 # A torch model under DataParallel + Join against torch DDP + Join (gloo), 2 ranks, 1M and 25M
-# parameters, interleaved in one run (a few minutes); JSON in benchmarks/results/.
+# parameters, interleaved in one run (a few minutes); then torch.optim.AdamW with uneven inputs,
+# DDP + Join against DataParallel(update=): step time and state divergence across ranks.
 bench-torch: venv  ## a torch model: DataParallel + Join against DDP + Join (gloo), 2 ranks
 	@mkdir -p benchmarks/results
 	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_torch.py \
 	  --out benchmarks/results/torch-2-ranks.json
+	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_torch_adamw.py \
+	  --out benchmarks/results/torch-adamw-2-ranks.json
 
 # On a machine with an NVIDIA GPU and CuPy (visible to $(PYTHON)): the gpu tests at 1 and 2
 # ranks, then the GPU benchmark; JSON in benchmarks/results/. Under five minutes.

@@ -22,7 +22,7 @@ class Bucket:
     rank learns how many ranks used each parameter without a message of its own.
     """
 
-    __slots__ = ("flat", "members", "index", "flags", "_zeros")
+    __slots__ = ("flat", "members", "index", "flags", "all_used", "_zeros")
 
     def __init__(self, like: Any, members: list[int], sizes: list[int]) -> None:
         n = sum(sizes)
@@ -30,6 +30,7 @@ class Bucket:
         self.members = members  # parameter indices, in fill (reverse parameter) order
         self.index = np.asarray(members, dtype=np.intp)
         self.flags = self.flat[n:]  # the "used" flags, summed with the gradients
+        self.all_used = True  # every member was used by some rank in the last step
         self._zeros: np.ndarray | None = None
 
     @property

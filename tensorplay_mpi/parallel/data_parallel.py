@@ -111,7 +111,7 @@ class _Step:
     """
 
     __slots__ = ("number", "heartbeat", "resolved", "syncs", "root", "divisor", "ready",
-                 "unready", "works", "micro_batches", "seen")
+                 "unready", "works", "micro_batches", "seen", "all_have", "all_used")
 
     def __init__(self, number: int, heartbeat: Work | None, syncs: bool,
                  params: int, bucket_sizes: list[int], micro_batches: int = 1) -> None:
@@ -126,6 +126,8 @@ class _Step:
         self.works: list[Work] = []
         self.micro_batches = micro_batches  # backward passes per parameter before it is ready
         self.seen = np.zeros(params, dtype=np.int64) if micro_batches > 1 else None
+        self.all_have = False  # every parameter has a gradient here (known at the step's end)
+        self.all_used = True  # every bucketed parameter was used by some rank
 
 
 class _MustEnter:
@@ -427,13 +429,20 @@ class DataParallel(GuardedJoinable):
             mask[unused] = False
             self._has[mask] = True
 
-    def _after_step(self, step: _Step) -> None:
-        """On every rank, active or joined: publish which gradients exist, then ``update``."""
+    def _after_step(self, step: _Step, shadow: bool = False) -> None:
+        """On every rank, active or joined: publish which gradients exist, then ``update``.
+
+        With every parameter used, an active rank's ``p.grad`` are its bucket views already
+        (bound at the step's end), so only a joined rank publishes."""
         if not step.syncs:
             if self._torch:
                 self._torch.keep_local()
             return
-        if self._torch:
+        if step.all_used:
+            self._has.fill(True)
+            if shadow and self._torch:
+                self._torch.publish(self.used)
+        elif self._torch:
             self._torch.publish(self.used)
         if self._manual.size:
             self._has[self._manual] = False
@@ -551,14 +560,18 @@ class DataParallel(GuardedJoinable):
     def _start_bucket(self, step: _Step, k: int, shadow: bool = False) -> None:
         bucket = self._buckets[k]
         if not shadow:
-            self._set_flags(bucket)
+            if step.unready[k] == 0 or step.all_have:  # marked ready: it has its gradient
+                bucket.flags.fill(1)
+            else:
+                self._set_flags(bucket)
         sendbuf = bucket.zeros if shadow else MPI.IN_PLACE
         step.works.append(iallreduce(
             self.comm, sendbuf, bucket.flat, MPI.SUM,
             f"bucket {k + 1} of {len(self._buckets)} (step {step.number})"))
 
     def _set_flags(self, bucket: Any) -> None:
-        """This rank's "used" flags of `bucket`; a gradient it has not produced is zero."""
+        """This rank's "used" flags of `bucket` (some member has no gradient here, or none
+        was marked ready); a gradient it has not produced is zero."""
         has = self._has[bucket.index]
         bucket.flags[...] = has
         if not has.all():
@@ -566,10 +579,12 @@ class DataParallel(GuardedJoinable):
                 as_array(self.grads[i])[...] = 0
 
     def _finish_buckets(self, step: _Step, shadow: bool = False) -> None:
-        """Start the buckets not started yet (a joined rank: all, sending zeros), then average."""
+        """Start the buckets not started yet (a joined rank: all, sending zeros), then average;
+        read which parameters some rank used."""
         self._resolve(step)
         if not step.syncs:
             return
+        step.all_have = not shadow and bool(self._has.all())
         works, last = step.works, len(self._buckets) - 1
         for k, bucket in enumerate(self._buckets):
             if len(works) == k:
@@ -578,7 +593,12 @@ class DataParallel(GuardedJoinable):
             if len(works) == k + 1 and k < last:
                 self._start_bucket(step, k + 1, shadow)  # posted before this bucket's division
             bucket.flat /= step.divisor
-            self.used[bucket.index] = bucket.flags > 0
+            if bucket.flags.all():  # every member used by some rank: the usual case
+                if not bucket.all_used:
+                    self.used[bucket.index] = bucket.all_used = True
+            else:
+                self.used[bucket.index] = bucket.flags > 0
+                bucket.all_used = step.all_used = False
 
     @contextlib.contextmanager
     def _settling_failures(self, step: _Step) -> Iterator[None]:
@@ -614,7 +634,7 @@ class DataParallel(GuardedJoinable):
             self._exchange_control(step, divide_by_world)
             self._broadcast(self.buffers, step.root, "buffer broadcast")
             self._finish_buckets(step, shadow=True)
-            self._after_step(step)
+            self._after_step(step, shadow=True)
 
     def _final_broadcast(self, is_last_joiner: bool) -> None:
         """Broadcast from the highest last joiner: buffers always, params unless all are last.
