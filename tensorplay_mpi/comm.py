@@ -26,7 +26,7 @@ from .buffers import Staging, misordered
 from .guard import Guard
 from .ops import OPS, op_name
 from .settings import positive_seconds, settings
-from .tensors import as_array
+from .tensors import as_array, is_tensor
 from .work import Work, outstanding_requests
 
 __all__ = [
@@ -98,7 +98,7 @@ def _buffer(buf: Any, name: str, what: str) -> Any:
     operation)."""
     if type(buf) is np.ndarray and buf.flags.c_contiguous or buf is MPI.IN_PLACE:
         return buf  # the common case, without look-ups
-    buf = as_array(buf, f"{what}: {name}")
+    given, buf = buf, as_array(buf, f"{what}: {name}")
     if not hasattr(buf, "__array_interface__") and not hasattr(buf, "__cuda_array_interface__") \
             and not isinstance(buf, memoryview):
         raise TypeError(f"{what}: {name} must be an array (NumPy, CuPy, a torch CPU tensor or "
@@ -106,9 +106,11 @@ def _buffer(buf: Any, name: str, what: str) -> Any:
                         "numpy.asarray")
     layout = misordered(buf)
     if layout is not None:
+        remedy = ("t.contiguous() (and copy a received result back with t.copy_(result))"
+                  if is_tensor(given) else
+                  "numpy.ascontiguousarray of it (and copy a received result back)")
         raise ValueError(f"rank {MPI.COMM_WORLD.Get_rank()}: {what}: {name} must be "
-                         f"C-contiguous, got a {layout} array; pass numpy.ascontiguousarray of "
-                         "it (and copy a received result back)")
+                         f"C-contiguous, got a {layout} array; pass {remedy}")
     return buf
 
 

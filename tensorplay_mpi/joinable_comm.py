@@ -42,7 +42,7 @@ from .algorithms.guarded_joinable import REFUSALS, GuardedJoinable, refusal_code
 from .algorithms.join import Join, JoinHook
 from .buffers import device_of, misordered, zeros_like
 from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_name
-from .tensors import as_array, like
+from .tensors import as_array, is_tensor, like
 
 __all__ = ["JoinableComm"]
 
@@ -486,9 +486,11 @@ def _output(x: Any, out: Any, given: Any) -> tuple[Any, Any]:
                          f"got {out.shape} {out.dtype}")
     layout = misordered(out)
     if layout is not None:
+        remedy = ("pass none and copy the result in with out.copy_(result) (out.contiguous() "
+                  "would be a copy)" if is_tensor(result) else
+                  "pass a C-contiguous out, or none and copy the result")
         raise ValueError(f"out must be C-contiguous (MPI writes it in memory order), got a "
-                         f"{layout} array{' (out=x)' if result is given else ''}: pass a "
-                         "C-contiguous out, or none and copy the result")
+                         f"{layout} array{' (out=x)' if result is given else ''}: {remedy}")
     if result is given:  # out=x of a tensor: in place, in the memory `x` views
         return x, result
     if (type(out) is np.ndarray and type(x) is np.ndarray and (out.base is not None
