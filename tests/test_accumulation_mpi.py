@@ -7,6 +7,8 @@ the step's end.  A stop requested between micro-batches lands at the step's end,
 synchronises, so nothing accumulated is lost.  Compared with a serial torch replay.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -99,3 +101,23 @@ def test_a_stop_between_micro_batches_lands_at_the_step_end_and_resumes_bitwise(
     assert_all(all(np.array_equal(a, b) for a, b in zip(resumed, never_stopped)),
                "the resumed run differs from the run never stopped")
     assert_all(same_everywhere(resumed, comm), "parameters differ between ranks")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_no_sync_over_steps_with_update_works_with_a_rank_joined(comm):
+    """DDP's accumulation, K - 1 steps inside ``dp.no_sync()`` then one that synchronises:
+    ``update`` runs on synchronising steps only, on joined ranks too."""
+    inputs = inputs_of("three_plus_rank", comm.size)
+    model = Branchy()
+    dp = DataParallel(model.parameters(), comm=comm, update=torch_adamw(model))
+    with Join([dp]):
+        for t in range(inputs[comm.rank]):
+            model.zero_grad()
+            for m in range(K):
+                with dp.no_sync() if m < K - 1 else contextlib.nullcontext():
+                    with dp.step():
+                        loss_of(model, comm.rank, t, m).backward()
+    expected = serial(torch_adamw, inputs, micro=K)
+    got = arrays(model)
+    assert_all(same_everywhere(got, comm), "parameters differ between ranks")
+    assert_all(not close(got, arrays(expected)), close(got, arrays(expected)))
