@@ -33,6 +33,18 @@ class Bucket:
         self.all_used = True  # every member was used by some rank in the last step
         self._zeros: np.ndarray | None = None
 
+    def read_flags(self) -> np.ndarray:
+        """The flags as a NumPy array (copied to the host from a device bucket)."""
+        flags = self.flags
+        return flags if type(flags) is np.ndarray else flags.get()
+
+    def write_flags(self, has: np.ndarray) -> None:
+        """Set the flags from booleans on the host."""
+        if type(self.flags) is np.ndarray:
+            self.flags[...] = has
+        else:
+            self.flags.set(has.astype(self.flags.dtype))
+
     @property
     def zeros(self) -> np.ndarray:
         """A joined rank's contribution: made on first use (by joined ranks only), then reused."""

@@ -573,7 +573,7 @@ class DataParallel(GuardedJoinable):
         """This rank's "used" flags of `bucket` (some member has no gradient here, or none
         was marked ready); a gradient it has not produced is zero."""
         has = self._has[bucket.index]
-        bucket.flags[...] = has
+        bucket.write_flags(has)
         if not has.all():
             for i in bucket.index[~has].tolist():
                 as_array(self.grads[i])[...] = 0
@@ -593,11 +593,11 @@ class DataParallel(GuardedJoinable):
             if len(works) == k + 1 and k < last:
                 self._start_bucket(step, k + 1, shadow)  # posted before this bucket's division
             bucket.flat /= step.divisor
-            if bucket.flags.all():  # every member used by some rank: the usual case
-                if not bucket.all_used:
+            if bucket.flags.all():  # every member used by some rank: the usual case (on a
+                if not bucket.all_used:  # device, read there: no copy to the host)
                     self.used[bucket.index] = bucket.all_used = True
             else:
-                self.used[bucket.index] = bucket.flags > 0
+                self.used[bucket.index] = bucket.read_flags() > 0
                 bucket.all_used = step.all_used = False
 
     @contextlib.contextmanager
