@@ -237,6 +237,17 @@ class DataParallel(GuardedJoinable):
                 with dp.step():
                     backward(params, batch, out=dp.grads)
                 update(params, dp.grads)
+
+    A torch model with any torch optimizer, exact on every rank (a joined rank runs the
+    update in its shadow of each step)::
+
+        opt = torch.optim.AdamW(model.parameters())
+        dp = DataParallel(model.parameters(), buffers=model.buffers(), update=opt.step)
+        with Join([dp]):
+            for x, y in my_batches:
+                model.zero_grad()
+                with dp.step():
+                    loss_fn(model(x), y).backward()
     """
 
     def __init__(
