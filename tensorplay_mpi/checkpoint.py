@@ -8,8 +8,10 @@ holding its shard's state.  Every file is written to a temporary name, flushed t
 (``fsync``) and renamed; the manifest is renamed last and names the shard files of its own
 save, so a job killed at any point of a save keeps the previous checkpoint, whole.
 
-Both functions are collective over `comm` and run outside a Join: every rank calls them at the
-same point.  Their agreements are ``Iallgather`` s through :mod:`tensorplay_mpi.comm`; a
+Both functions are collective over `comm` and run outside a Join, or (``save``) from a Join's
+``on_save``, which every rank, joined or not, runs at one iteration boundary: every rank calls
+them at the same point; inside a running Join anywhere else they raise ``RuntimeError``.
+Their agreements are ``Iallgather`` s through :mod:`tensorplay_mpi.comm`; a
 failure on one rank (a full disk, a missing file, another world size) raises on every rank.
 The files use NumPy's ``.npz`` format, loaded without pickle.
 """
@@ -26,9 +28,11 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .algorithms.join import running_join
 from .buffers import is_device_array
 from .comm import check_comm, default_comm, iallgather, resolve_timeout
 from .guard import Guard
+from .stopping import clear_save
 from .optim import Optimizer, ZeroRedundancyOptimizer
 
 __all__ = ["save", "load", "Saved", "Resumed", "MANIFEST"]
@@ -62,6 +66,24 @@ class Resumed(NamedTuple):
     cursors: tuple[int, ...]
     extra: dict[str, np.ndarray]
     path: str
+
+
+def _refuse_inside_join(what: str) -> None:
+    """Raise RuntimeError, before any collective, when called inside a running Join (outside
+    its ``on_save``): a joined rank would match this call's collectives with its polls."""
+    join = running_join()
+    if join is None:
+        return
+    rank = join.joinables[0].join_process_group.Get_rank()
+    if what == "save":
+        raise RuntimeError(
+            f"rank {rank}: checkpoint.save was called inside a running Join, where a joined "
+            "rank would match its collectives with the Join's polls: give the save to the Join "
+            "as `Join(..., on_save=...)` and ask for it with request_save() (every rank then "
+            "saves at one iteration), or save after the block")
+    raise RuntimeError(
+        f"rank {rank}: checkpoint.load was called inside a running Join: load before the "
+        "Join's block (a resume starts with every rank outside any Join)")
 
 
 # -- agreement -----------------------------------------------------------------------------------
@@ -240,7 +262,8 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
          timeout: float | None = None) -> Saved:
     """Write a checkpoint to `directory` (made if missing), replacing the one there atomically.
 
-    Collective over `comm`: every rank calls it, outside a Join, with the same `params` and
+    Collective over `comm`: every rank calls it, outside a Join or from a Join's ``on_save``
+    (a periodic save, see :func:`~tensorplay_mpi.request_save`), with the same `params` and
     `buffers` (identical on every rank, as DataParallel keeps them), optimizer, `step` and
     `epoch`; `cursor` is this rank's own (what it consumed of the current epoch).
 
@@ -277,7 +300,11 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     ValueError, TypeError
         On every rank, for different counters on different ranks, an unknown `zero`, an
         optimizer that is none of the library's, or a hyperparameter that cannot be saved.
+    RuntimeError
+        Inside a running Join outside its ``on_save``, before any collective (the ranks still
+        in the Join then raise :class:`~tensorplay_mpi.errors.PeerFailureError`).
     """
+    _refuse_inside_join("save")
     comm = check_comm(default_comm() if comm is None else comm)
     timeout = resolve_timeout(timeout)
     Guard.attach(comm)
@@ -310,6 +337,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
             os.unlink(shard)  # this save's, if this rank wrote it: no manifest names it
         raise
     _remove_stale(directory, rank, shard)
+    clear_save()  # this rank's pending save request, if any, is served
     elapsed = _agree(comm, None, "checkpoint timing", timeout,
                      int((time.perf_counter() - start) * 1e9)).max() / 1e9
     return Saved(os.path.join(directory, MANIFEST), int(written.sum()), float(elapsed))
@@ -400,6 +428,7 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     OSError
         On every rank, when reading failed on some rank.
     """
+    _refuse_inside_join("load")
     comm = check_comm(default_comm() if comm is None else comm)
     timeout = resolve_timeout(timeout)
     Guard.attach(comm)

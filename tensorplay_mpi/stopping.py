@@ -14,13 +14,15 @@ import signal
 from types import FrameType
 from typing import Iterable, Iterator
 
-__all__ = ["stop_on_signals", "request_stop", "stop_requested", "clear_stop", "STOP_SIGNALS"]
+__all__ = ["stop_on_signals", "request_stop", "stop_requested", "clear_stop", "STOP_SIGNALS",
+           "request_save", "save_requested", "clear_save"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """What Slurm sends at the time limit (SIGTERM), what ``--signal`` and ``scancel --signal``
 are usually set to send before it (SIGUSR1), and Ctrl-C (SIGINT)."""
 
 _request: str | None = None  # this rank's pending stop request: why
+_save: str | None = None  # this rank's pending save request: why
 
 
 def request_stop(reason: str = "request_stop()") -> None:
@@ -49,6 +51,37 @@ def clear_stop() -> None:
     """Withdraw this rank's stop request (after a stop was handled, to go on)."""
     global _request
     _request = None
+
+
+def request_save(reason: str = "request_save()") -> None:
+    """Ask for a checkpoint from this rank at the next iteration boundary of every rank.
+
+    Local, like :func:`request_stop`: it only sets a flag.  The next heartbeat (or poll) of an
+    enabled :class:`~tensorplay_mpi.Join` carries it; every rank, joined or not, then runs the
+    Join's ``on_save`` at one iteration boundary, and the request is withdrawn.  Several
+    requests before that save make one save.
+
+    Raises
+    ------
+    TypeError
+        If `reason` is not a string.
+    """
+    global _save
+    if not isinstance(reason, str):
+        raise TypeError(f"reason must be a string, got {type(reason).__name__}")
+    if _save is None:
+        _save = reason
+
+
+def save_requested() -> str | None:
+    """This rank's own pending save request (its reason), else ``None``; not coordinated."""
+    return _save
+
+
+def clear_save() -> None:
+    """Withdraw this rank's save request (a Join does it once the save ran)."""
+    global _save
+    _save = None
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:

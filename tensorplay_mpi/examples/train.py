@@ -19,7 +19,9 @@ rank (as ``srun``, ``scancel`` and Slurm's time limit deliver them) stops every 
 iteration boundary; the job writes a checkpoint to DIR and exits with status 75 (EX_TEMPFAIL:
 stopped, run it again).  The same command then resumes where it stopped and ends with the
 digest of a run never stopped.  A completed run also leaves a checkpoint, so running it again
-only prints the result.
+only prints the result.  With ``--save-every STEPS`` it also writes the checkpoint every STEPS
+steps, inside the Join (joined ranks included), so a job killed without a signal (``kill -9``,
+a node failure, an OOM kill) resumes from the last of these saves.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import DataParallel, Join, checkpoint, stop_on_signals
+from tensorplay_mpi import DataParallel, Join, checkpoint, request_save, stop_on_signals
+from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.data import batches, shard, shard_sizes
 
 STOPPED = 75
@@ -178,11 +181,16 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="resume from the checkpoint in DIR if there is one; on SIGTERM, "
                              f"SIGUSR1 or SIGINT stop, write it and exit with status {STOPPED}")
+    parser.add_argument("--save-every", type=int, default=0, metavar="STEPS",
+                        help="with --checkpoint: also write it every STEPS steps (0: never)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.save_every < 0 or (args.save_every and not args.checkpoint):
+        parser.error("--save-every takes a number of steps >= 0 and needs --checkpoint")
     # from the start: a signal during the set-up rides in the first heartbeat
     with stop_on_signals() if args.checkpoint else contextlib.nullcontext():
         return run(args, MPI.COMM_WORLD)
@@ -218,7 +226,17 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         rng = np.random.default_rng([args.seed, epoch, comm.rank])  # order: f(seed, epoch)
         done = skip if epoch == first else 0  # batches of this epoch consumed: the cursor
         totals = carried.copy() if epoch == first else np.zeros(3)  # loss, correct, samples
-        with Join([dp], divide_by_initial_world_size=args.divide == "world") as join:
+
+        def save(epoch: int = epoch) -> None:  # every rank at one iteration (Join's on_save)
+            # reads this epoch's running `totals` and cursor `done` as they are when called
+            summed = np.empty(3)
+            iallreduce(comm, totals, summed).wait()  # noqa: B023  (the library's path)
+            checkpoint.save(args.checkpoint, params, step=(epoch - 1) * per_epoch +
+                            join.iterations, epoch=epoch, cursor=done,  # noqa: B023
+                            extra={"totals": summed}, comm=comm)
+
+        with Join([dp], divide_by_initial_world_size=args.divide == "world",
+                  on_save=save if args.save_every else None) as join:
             for idx in batches(mine, args.batch_size, rng)[done:]:
                 if join.stopped:  # every rank leaves at this same iteration
                     break
@@ -229,6 +247,8 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                     p -= args.lr * g
                 totals += (loss, correct, len(idx))
                 done += 1
+                if args.save_every and ((epoch - 1) * per_epoch + done) % args.save_every == 0:
+                    request_save(f"every {args.save_every} steps")  # every active rank asks
         totals = comm.allreduce(totals)  # outside the Join: plain MPI is fine
         if join.stopped:
             step = (epoch - 1) * per_epoch + comm.allreduce(done, op=MPI.MAX)
