@@ -30,6 +30,7 @@ from mpi4py import MPI
 
 from .algorithms.join import running_join
 from .buffers import is_device_array
+from .checkpoint_meta import check_config, check_savable, encode_config
 from .comm import check_comm, default_comm, iallgather, resolve_timeout
 from .guard import Guard
 from .stopping import clear_save
@@ -259,7 +260,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
          optimizer: Optimizer | ZeroRedundancyOptimizer | None = None, step: int = 0,
          epoch: int = 0, cursor: int = 0, extra: Mapping[str, Any] | None = None,
          zero: str = "sharded", comm: MPI.Intracomm | None = None,
-         timeout: float | None = None) -> Saved:
+         timeout: float | None = None, config: Mapping[str, Any] | None = None) -> Saved:
     """Write a checkpoint to `directory` (made if missing), replacing the one there atomically.
 
     Collective over `comm`: every rank calls it, outside a Join or from a Join's ``on_save``
@@ -279,7 +280,8 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     step, epoch, cursor : int
         The counters (the same on every rank) and this rank's data cursor.
     extra : mapping of str to array, optional
-        Small arrays saved as rank 0 has them (say, the epoch's running totals).
+        Small arrays saved as rank 0 has them (say, the epoch's running totals); numeric or
+        string arrays only (an RNG's state: :func:`tensorplay_mpi.rng.rng_state`).
     zero : {"sharded", "consolidated"}
         For a ZeroRedundancyOptimizer: each rank writes its shard's state to its own file, or
         rank 0 gathers the full state (``consolidate_state_dict``) and writes it.
@@ -287,6 +289,10 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         Defaults to ``MPI.COMM_WORLD``.
     timeout : float, optional
         Seconds any wait may take (default ``$TENSORPLAY_MPI_TIMEOUT``).
+    config : mapping, optional
+        The run's configuration as rank 0 has it (batch size, seed, model shape, optimizer
+        hyperparameters: whatever the cursors and the state depend on), plain data only;
+        :func:`load` given a `config` refuses a checkpoint recorded with another.
 
     Returns
     -------
@@ -299,7 +305,9 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         On every rank, when writing failed on some rank (the previous checkpoint stays).
     ValueError, TypeError
         On every rank, for different counters on different ranks, an unknown `zero`, an
-        optimizer that is none of the library's, or a hyperparameter that cannot be saved.
+        optimizer that is none of the library's, a hyperparameter that cannot be saved, an
+        array that would not load back without pickle (object arrays, a dict in `extra`,
+        structured dtypes) or a `config` value that is not plain data; nothing is written.
     RuntimeError
         Inside a running Join outside its ``on_save``, before any collective (the ranks still
         in the Join then raise :class:`~tensorplay_mpi.errors.PeerFailureError`).
@@ -321,6 +329,8 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
             raise ValueError(f"ranks passed different step/epoch counters (by rank: "
                              f"{every[:, :2].tolist()}); pass the same on every rank")
         kind = _optimizer_kind(optimizer, zero)
+        check_savable(params, buffers, extra)
+        recorded = encode_config(config)
     except (ValueError, TypeError) as refused:
         error = refused
     _agree(comm, error, "checkpoint arguments", timeout)
@@ -331,7 +341,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     shard = _shard_path(directory, rank, size, token)
     try:
         written = _write_files(comm, directory, shard, params, buffers, optimizer, kind, every,
-                               extra, timeout)
+                               extra, timeout, recorded)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(shard)  # this save's, if this rank wrote it: no manifest names it
@@ -345,7 +355,8 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
 
 def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequence[Any],
                  buffers: Sequence[Any], optimizer: Any, kind: str, every: np.ndarray,
-                 extra: Mapping[str, Any] | None, timeout: float) -> np.ndarray:
+                 extra: Mapping[str, Any] | None, timeout: float,
+                 config: dict[str, Any] | None = None) -> np.ndarray:
     """Write this rank's shard, agree, then rank 0 writes the manifest (the commit point),
     agree; every rank's bytes written."""
     error: BaseException | None = None
@@ -358,6 +369,9 @@ def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequen
             nbytes += _write(shard, arrays)
         if rank == 0:
             manifest = _manifest(params, buffers, optimizer, kind, every, extra, int(every[0, 3]))
+            if config is not None:
+                meta = json.loads(str(manifest["meta"]))
+                manifest["meta"] = np.array(json.dumps({**meta, "config": config}))
     except Exception as failed:
         error = failed
     _agree(comm, error, "checkpoint write (optimizer shards)", timeout)
@@ -406,11 +420,14 @@ def _manifest(params: Sequence[Any], buffers: Sequence[Any], optimizer: Any, kin
 
 def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequence[Any] = (),
          optimizer: Optimizer | ZeroRedundancyOptimizer | None = None,
-         comm: MPI.Intracomm | None = None, timeout: float | None = None) -> Resumed | None:
+         comm: MPI.Intracomm | None = None, timeout: float | None = None,
+         config: Mapping[str, Any] | None = None) -> Resumed | None:
     """Load the checkpoint in `directory` into `params`, `buffers` and `optimizer`, in place.
 
     Collective over `comm`: every rank calls it, outside a Join, with the same arguments as
     :func:`save` took.  Nothing is modified unless every rank could read and check everything.
+    With `config`, the configuration the checkpoint recorded (``save(..., config=)``) must be
+    equal, key by key; leave out the keys a resume may change (say, the number of epochs).
 
     Returns
     -------
@@ -423,8 +440,9 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     ValueError
         On every rank, when the checkpoint was saved at another world size, for other
         parameter or buffer shapes/dtypes, another optimizer (class, state shapes, or none),
-        in another format, or when only some ranks see it (the directory must be on a file
-        system every rank shares).
+        in another format, when only some ranks see it (the directory must be on a file
+        system every rank shares), or when `config` differs from the recorded one (naming
+        every key that differs).
     OSError
         On every rank, when reading failed on some rank.
     """
@@ -448,6 +466,7 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         meta = json.loads(str(arrays["meta"]))
         token = meta["token"]
         _check_manifest(meta, params, buffers, size)
+        check_config(meta.get("config"), config)
         state = _optimizer_state(meta, arrays, optimizer, os.fspath(directory), rank, size)
     except Exception as failed:
         error = failed

@@ -186,6 +186,15 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RESUMABLE = ("epochs", "checkpoint", "save_every", "min_accuracy")
+"""The flags a resume may change; the checkpoint records every other one (``config=``)."""
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags the saved state and the cursors depend on (batch size, seed, model, ...)."""
+    return {k: v for k, v in vars(args).items() if k not in RESUMABLE}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
@@ -211,7 +220,9 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
     sizes = shard_sizes(len(y_train), comm.size, args.skew)
     per_epoch = math.ceil(max(sizes) / args.batch_size)  # iterations: the longest shard's
     first, skip, carried = 1, 0, np.zeros(3)
-    resumed = checkpoint.load(args.checkpoint, params, comm=comm) if args.checkpoint else None
+    config = run_config(args)
+    resumed = (checkpoint.load(args.checkpoint, params, comm=comm, config=config)
+               if args.checkpoint else None)
     if resumed is not None:
         first, skip = resumed.epoch, resumed.cursor
         carried = resumed.extra["totals"] if comm.rank == 0 else carried
@@ -233,7 +244,7 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
             iallreduce(comm, totals, summed).wait()  # noqa: B023  (the library's path)
             checkpoint.save(args.checkpoint, params, step=(epoch - 1) * per_epoch +
                             join.iterations, epoch=epoch, cursor=done,  # noqa: B023
-                            extra={"totals": summed}, comm=comm)
+                            extra={"totals": summed}, comm=comm, config=config)
 
         with Join([dp], divide_by_initial_world_size=args.divide == "world",
                   on_save=save if args.save_every else None) as join:
@@ -253,7 +264,8 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         if join.stopped:
             step = (epoch - 1) * per_epoch + comm.allreduce(done, op=MPI.MAX)
             saved = checkpoint.save(args.checkpoint, params, step=step, epoch=epoch,
-                                    cursor=done, extra={"totals": totals}, comm=comm)
+                                    cursor=done, extra={"totals": totals}, comm=comm,
+                                    config=config)
             if comm.rank == 0:
                 print(f"stopped by {join.stop_reason} at epoch {epoch}, step {step}; checkpoint "
                       f"{saved.path} written ({saved.nbytes / 1024:.0f} KiB in "
@@ -263,7 +275,8 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         epoch_done(comm, epoch, args.epochs, totals)
     if args.checkpoint and first <= args.epochs:  # so that running it again only reports
         checkpoint.save(args.checkpoint, params, step=args.epochs * per_epoch,
-                        epoch=args.epochs + 1, extra={"totals": np.zeros(3)}, comm=comm)
+                        epoch=args.epochs + 1, extra={"totals": np.zeros(3)}, comm=comm,
+                        config=config)
     elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
     hits = forward(params, xp.asarray(x_test))[1].argmax(axis=1) == xp.asarray(y_test)
     return report(comm, args, params, float(hits.mean()), elapsed, len(y_test))
