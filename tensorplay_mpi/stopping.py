@@ -14,8 +14,8 @@ import signal
 from types import FrameType
 from typing import Iterable, Iterator
 
-__all__ = ["stop_on_signals", "request_stop", "stop_requested", "clear_stop", "STOP_SIGNALS",
-           "request_save", "save_requested", "clear_save"]
+__all__ = ["stop_on_signals", "keep_stop_signals", "request_stop", "stop_requested", "clear_stop",
+           "STOP_SIGNALS", "request_save", "save_requested", "clear_save"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """What Slurm sends at the time limit (SIGTERM), what ``--signal`` and ``scancel --signal``
@@ -90,6 +90,29 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     request_stop(signal.Signals(signum).name)
 
 
+def _signals(signals: Iterable[int], who: str) -> list[signal.Signals]:
+    chosen = []
+    for signum in signals:
+        if isinstance(signum, bool) or not isinstance(signum, int):
+            raise TypeError(f"{who} takes signal numbers (signal.SIGTERM, ...), got "
+                            f"{type(signum).__name__} {signum!r}")
+        chosen.append(signal.Signals(signum))
+    return chosen
+
+
+def keep_stop_signals(signals: Iterable[int] = STOP_SIGNALS) -> None:
+    """Turn `signals` into stop requests from now until the program ends.
+
+    The same handler as :func:`stop_on_signals`, never restored: call it first thing in the
+    program (right after ``import tensorplay_mpi``), and a signal that arrives during the set-up,
+    the final save or the report only sets a request instead of killing the job.  A
+    :func:`stop_on_signals` block inside restores this handler when it exits.  Takes and raises
+    what :func:`stop_on_signals` does.
+    """
+    for signum in _signals(signals, "keep_stop_signals"):
+        signal.signal(signum, _on_signal)
+
+
 @contextlib.contextmanager
 def stop_on_signals(signals: Iterable[int] = STOP_SIGNALS) -> Iterator[None]:
     """Turn `signals` into stop requests inside the block; restore the previous handlers after.
@@ -114,12 +137,7 @@ def stop_on_signals(signals: Iterable[int] = STOP_SIGNALS) -> Iterator[None]:
     TypeError
         If an element is not a signal number.
     """
-    chosen = []
-    for signum in signals:
-        if isinstance(signum, bool) or not isinstance(signum, int):
-            raise TypeError(f"stop_on_signals takes signal numbers (signal.SIGTERM, ...), got "
-                            f"{type(signum).__name__} {signum!r}")
-        chosen.append(signal.Signals(signum))
+    chosen = _signals(signals, "stop_on_signals")
     previous = {}
     try:
         for signum in chosen:

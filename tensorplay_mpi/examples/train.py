@@ -27,7 +27,6 @@ a node failure, an OOM kill) resumes from the last of these saves.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import math
 import sys
@@ -38,7 +37,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import DataParallel, Join, checkpoint, request_save, stop_on_signals
+from tensorplay_mpi import DataParallel, Join, checkpoint, keep_stop_signals, request_save
 from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.data import batches, shard, shard_sizes
 
@@ -200,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.save_every < 0 or (args.save_every and not args.checkpoint):
         parser.error("--save-every takes a number of steps >= 0 and needs --checkpoint")
-    # from the start: a signal during the set-up rides in the first heartbeat
-    with stop_on_signals() if args.checkpoint else contextlib.nullcontext():
-        return run(args, MPI.COMM_WORLD)
+    if args.checkpoint:  # until the end: a signal during the set-up rides in the first
+        keep_stop_signals()  # heartbeat; one during the final save or report is harmless
+    return run(args, MPI.COMM_WORLD)
 
 
 def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
