@@ -35,6 +35,7 @@ from .comm import check_comm, default_comm, iallgather, resolve_timeout
 from .guard import Guard
 from .stopping import clear_save
 from .optim import Optimizer, ZeroRedundancyOptimizer
+from .optim.zero import partition
 
 __all__ = ["save", "load", "Saved", "Resumed", "MANIFEST"]
 
@@ -63,10 +64,15 @@ class Resumed(NamedTuple):
     step: int
     epoch: int
     cursor: int
-    """What this rank had consumed of the current epoch (the unit is the caller's)."""
+    """What this rank had consumed of the current epoch (the unit is the caller's); 0 when
+    the checkpoint was saved at another world size (``resize=True``: re-split with
+    :meth:`tensorplay_mpi.data.Sampler.resume`)."""
     cursors: tuple[int, ...]
+    """Every saved rank's cursor (as many as the saved world size)."""
     extra: dict[str, np.ndarray]
     path: str
+    world_size: int = 0
+    """The world size the checkpoint was saved at."""
 
 
 def _refuse_inside_join(what: str) -> None:
@@ -421,13 +427,17 @@ def _manifest(params: Sequence[Any], buffers: Sequence[Any], optimizer: Any, kin
 def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequence[Any] = (),
          optimizer: Optimizer | ZeroRedundancyOptimizer | None = None,
          comm: MPI.Intracomm | None = None, timeout: float | None = None,
-         config: Mapping[str, Any] | None = None) -> Resumed | None:
+         config: Mapping[str, Any] | None = None, resize: bool = False) -> Resumed | None:
     """Load the checkpoint in `directory` into `params`, `buffers` and `optimizer`, in place.
 
     Collective over `comm`: every rank calls it, outside a Join, with the same arguments as
     :func:`save` took.  Nothing is modified unless every rank could read and check everything.
     With `config`, the configuration the checkpoint recorded (``save(..., config=)``) must be
     equal, key by key; leave out the keys a resume may change (say, the number of epochs).
+    With ``resize=True`` a checkpoint saved at another world size loads: the replicated state
+    as it is, a ZeRO state saved sharded re-sharded over this world size (every rank reads
+    every saved shard), and the data cursors are left to the caller to re-split
+    (:class:`tensorplay_mpi.data.Sampler`).
 
     Returns
     -------
@@ -465,7 +475,7 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         arrays = _read(path)
         meta = json.loads(str(arrays["meta"]))
         token = meta["token"]
-        _check_manifest(meta, params, buffers, size)
+        _check_manifest(meta, params, buffers, size, resize)
         check_config(meta.get("config"), config)
         state = _optimizer_state(meta, arrays, optimizer, os.fspath(directory), rank, size)
     except Exception as failed:
@@ -479,24 +489,27 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     for i, b in enumerate(buffers):
         _copy_into(b, arrays[f"buffers/{i}"])
     if state is not None and optimizer is not None:
-        if isinstance(optimizer, ZeroRedundancyOptimizer) and meta["optimizer"] == "zero-sharded":
+        if (isinstance(optimizer, ZeroRedundancyOptimizer) and meta["optimizer"] == "zero-sharded"
+                and meta["world_size"] == size):
             optimizer.local.load_state_dict(state)
         else:
             optimizer.load_state_dict(state)
     extra = {k[len("extra/"):]: v for k, v in arrays.items() if k.startswith("extra/")}
     cursors = tuple(meta["cursors"])
-    return Resumed(meta["step"], meta["epoch"], cursors[rank], cursors, extra, path)
+    cursor = cursors[rank] if len(cursors) == size else 0
+    return Resumed(meta["step"], meta["epoch"], cursor, cursors, extra, path, len(cursors))
 
 
 def _check_manifest(meta: dict, params: Sequence[Any], buffers: Sequence[Any],
-                    size: int) -> None:
+                    size: int, resize: bool = False) -> None:
     if meta.get("format") != FORMAT:
         raise ValueError(f"checkpoint format {meta.get('format')!r}, this version reads "
                          f"format {FORMAT}")
-    if meta["world_size"] != size:
+    if meta["world_size"] != size and not resize:
         raise ValueError(f"the checkpoint was saved at {meta['world_size']} ranks, this job has "
                          f"{size}: its data cursors describe {meta['world_size']} shards; resume "
-                         f"at {meta['world_size']} ranks")
+                         f"at {meta['world_size']} ranks, or pass resize=True and re-split the "
+                         "data (tensorplay_mpi.data.Sampler)")
     for name, arrays in (("params", params), ("buffers", buffers)):
         mine = [[list(a.shape), a.dtype.str] for a in arrays]
         if meta[name] != mine:
@@ -520,15 +533,40 @@ def _optimizer_state(meta: dict, arrays: dict[str, np.ndarray], optimizer: Any,
                          f"given is {'none' if optimizer is None else type(optimizer).__name__}"
                          " (a full state loads into a local optimizer or a "
                          "ZeroRedundancyOptimizer; a sharded one only into the latter)")
+    if not full and meta["world_size"] != size:  # re-shard: this rank reads every shard
+        full, (state_meta, arrays) = True, _gathered_shards(meta, directory, optimizer.params)
+    else:
+        state_meta = meta.get("optimizer_state", {})
     if full:
         live = optimizer.local if wanted.startswith("zero") else optimizer
-        state = _unflatten(meta["optimizer_state"], arrays, "optimizer", live)
+        state = _unflatten(state_meta, arrays, "optimizer", live)
         _check_state(state, live, [tuple(p.shape) for p in optimizer.params])
         return state
     shard = _read(_shard_path(directory, rank, size, meta["token"]))
     state = _unflatten(json.loads(str(shard["meta"])), shard, "optimizer", optimizer.local)
     _check_state(state, optimizer.local, [tuple(p.shape) for p in optimizer.local.params])
     return state
+
+
+def _gathered_shards(meta: dict, directory: str, params: Sequence[Any]
+                     ) -> tuple[dict, dict[str, np.ndarray]]:
+    """A ZeRO state saved sharded (at another world size) as one full state: every saved
+    rank's shard file, its parameters numbered as in the whole model."""
+    world = meta["world_size"]
+    owners = partition([p.nbytes for p in params], world)  # as the saving optimizer had them
+    full: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
+    for rank in range(world):
+        shard = _read(_shard_path(directory, rank, world, meta["token"]))
+        shard_meta = json.loads(str(shard["meta"]))
+        full = full or dict(shard_meta, state={})
+        mine = [i for i, owner in enumerate(owners) if owner == rank]
+        for k, names in shard_meta["state"].items():
+            i = mine[int(k)]
+            full["state"][str(i)] = names
+            arrays.update({f"optimizer/{i}/{name}": shard[f"optimizer/{k}/{name}"]
+                           for name in names})
+    return full, arrays
 
 
 def _copy_into(target: Any, host: np.ndarray) -> None:
