@@ -34,6 +34,7 @@ from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
 from ..guard import Guard
+from ..replicas import check_replicas
 from ..settings import settings
 from ..stopping import clear_save, save_requested, stop_requested
 from ..threads import limit_threads
@@ -141,6 +142,15 @@ class Joinable(ABC):
     def _made_into(self, join: "Join") -> None:
         """`join` was made with this joinable: until it is entered, it may be forgotten."""
         self._made_join = join
+
+    def replicated_arrays(self) -> "list[Any]":
+        """Arrays that must be identical on every rank (parameters, replicated optimizer state).
+
+        After a failure every rank caught at the same point, the next Join on the communicator
+        compares a digest of them across ranks (:mod:`tensorplay_mpi.replicas`).  The default
+        is none.
+        """
+        return []
 
     def end_iteration(self) -> None:
         """Close the current iteration; the Join calls it before each heartbeat and once
@@ -360,6 +370,9 @@ class Join:
         self._entered = True
         settings()  # a bad environment value raises here, before anything starts
         self._guard = Guard.attach(self._comm)
+        if self._enable and self._guard.replica_check_due:  # after a caught failure only
+            self._guard.replica_check_due = False
+            check_replicas(self._comm, self._joinables, self._timeout)
         limit_threads(self._comm)
         for joinable in self._joinables:
             joinable._bind_join(self)
