@@ -33,6 +33,7 @@ from .buffers import is_device_array
 from .checkpoint_meta import check_config, check_savable, encode_config
 from .comm import check_comm, default_comm, iallgather, resolve_timeout
 from .guard import Guard
+from .replicas import digest
 from .stopping import clear_save
 from .optim import Optimizer, ZeroRedundancyOptimizer
 from .optim.zero import partition
@@ -310,10 +311,11 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     OSError
         On every rank, when writing failed on some rank (the previous checkpoint stays).
     ValueError, TypeError
-        On every rank, for different counters on different ranks, an unknown `zero`, an
-        optimizer that is none of the library's, a hyperparameter that cannot be saved, an
-        array that would not load back without pickle (object arrays, a dict in `extra`,
-        structured dtypes) or a `config` value that is not plain data; nothing is written.
+        On every rank, for different counters or parameters on different ranks, an unknown
+        `zero`, an optimizer that is none of the library's, a hyperparameter that cannot be
+        saved, an array that would not load back without pickle (object arrays, a dict in
+        `extra`, structured dtypes) or a `config` value that is not plain data; nothing is
+        written.
     RuntimeError
         Inside a running Join outside its ``on_save``, before any collective (the ranks still
         in the Join then raise :class:`~tensorplay_mpi.errors.PeerFailureError`).
@@ -325,7 +327,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
     directory = os.fspath(directory)
-    counters = np.array([step, epoch, cursor, time.time_ns()], dtype=np.int64)
+    counters = np.array([step, epoch, cursor, time.time_ns(), digest(params)], dtype=np.int64)
     every = np.empty((size, counters.size), dtype=np.int64)
     iallgather(comm, counters, every, "checkpoint counters").wait_or_abort(timeout)
     token = int(every[0, 3])
@@ -336,6 +338,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
                              f"{every[:, :2].tolist()}); pass the same on every rank")
         kind = _optimizer_kind(optimizer, zero)
         check_savable(params, buffers, extra)
+        _check_replicated(every[:, 4])
         recorded = encode_config(config)
     except (ValueError, TypeError) as refused:
         error = refused
@@ -357,6 +360,19 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     elapsed = _agree(comm, None, "checkpoint timing", timeout,
                      int((time.perf_counter() - start) * 1e9)).max() / 1e9
     return Saved(os.path.join(directory, MANIFEST), int(written.sum()), float(elapsed))
+
+
+def _check_replicated(digests: np.ndarray) -> None:
+    """Raise ValueError unless every rank holds the same parameters (rank 0's are saved)."""
+    if (digests != digests[0]).any():
+        groups: dict[int, list[int]] = {}
+        for rank, value in enumerate(digests.tolist()):
+            groups.setdefault(value, []).append(rank)
+        raise ValueError(
+            f"the ranks hold different parameters (the same within each of "
+            f"{list(groups.values())}), and a checkpoint saves rank 0's: inside a Join, a rank "
+            "that has joined skips an update written in the loop after dp.step(); put the "
+            "optimizer in the Join (Join([dp, opt])) so that joined ranks step too")
 
 
 def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequence[Any],

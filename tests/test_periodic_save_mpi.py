@@ -186,3 +186,23 @@ def test_a_load_inside_a_join_raises_on_every_rank(comm, tmp_path):
                 dp.grads[0][...] = 1.0
             checkpoint.load(directory, params, comm=comm)
     assert_all(not params[0].any(), "load modified the parameters")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_periodic_save_refuses_stale_parameters_of_a_joined_rank(comm, tmp_path):
+    """An update written in the loop after dp.step() skips joined ranks: the save refuses."""
+    directory = comm.bcast(str(tmp_path))
+    params = [np.zeros(3)]
+    dp = DataParallel(params, comm=comm)
+    inputs = [1] + [4] * (comm.size - 1)  # rank 0 joins after one iteration
+    with raises_everywhere(ValueError, match=r"different parameters .* put the optimizer in the "
+                                             r"Join"):
+        with Join([dp], on_save=lambda: checkpoint.save(directory, params, comm=comm)):
+            for i in range(inputs[comm.rank]):
+                with dp.step():
+                    dp.grads[0][...] = 1.0
+                params[0] -= 0.1 * dp.grads[0]  # not on a joined rank
+                if i == 1:
+                    request_save("test")
+    assert_all(not os.path.exists(os.path.join(directory, checkpoint.MANIFEST)),
+               "a checkpoint was written")

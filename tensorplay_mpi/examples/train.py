@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import DataParallel, Join, checkpoint, keep_stop_signals, request_save
+from tensorplay_mpi import SGD, DataParallel, Join, checkpoint, keep_stop_signals, request_save
 from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.data import Sampler, shard_sizes
 
@@ -247,6 +247,9 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                       seed=args.seed, skew=args.skew)  # the order: f(seed, epoch, rank)
     params = [xp.asarray(p) for p in init_mlp(x_train.shape[1], args.hidden, 10, args.seed)]
     dp = DataParallel(params, comm=comm)
+    # in the Join, so that a joined rank steps too: every rank's parameters are current at a
+    # periodic save (an update written after dp.step() in the loop would skip joined ranks)
+    opt = SGD(params, dp.grads, lr=args.lr)
     header(comm, args, len(y_train), len(y_test),
            f"; on {dp.join_device}" if args.device == "cuda" else "")
     first, tally = 1, Tally(len(y_train))
@@ -279,7 +282,7 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                             extra={"sampler": sampler.state(),
                                    **tally.summed(comm)})  # noqa: B023  (this epoch's)
 
-        with Join([dp], divide_by_initial_world_size=args.divide == "world",
+        with Join([dp, opt], divide_by_initial_world_size=args.divide == "world",
                   on_save=save if args.save_every else None) as join:
             for idx in sampler:
                 if join.stopped:  # every rank leaves at this same iteration
@@ -287,8 +290,7 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                 with dp.step():
                     x, y = xp.asarray(x_train[idx]), xp.asarray(y_train[idx])
                     loss, correct = backward(params, x, y, dp)
-                for p, g in zip(params, dp.grads):
-                    p -= args.lr * g
+                opt.step()
                 tally.add(idx, loss, correct)
                 if args.save_every and (step0 + sampler.cursor + 1) % args.save_every == 0:
                     request_save(f"every {args.save_every} steps")  # every active rank asks
