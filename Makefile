@@ -104,7 +104,7 @@ stop-trials: venv  ## random-signal stop and resume trials of the demo (make tes
 	    --trials $(STOP_TRIALS) --dir "$$dir/in-job-$$n" || exit 1; \
 	done; \
 	MPIEXEC="$(MPIEXEC)" timeout -k 10 600 $(PY) tests/programs/stop_launches.py \
-	  --ranks $(RANKS) --trials $(STOP_LAUNCHES) --dir "$$dir/jobs"; \
+	  --ranks $(RANKS) --trials $(STOP_LAUNCHES) --dir "$$dir/jobs" && \
 	MPIEXEC="$(MPIEXEC)" timeout -k 10 900 $(PY) tests/programs/kill_trials.py \
 	  --ranks $(RANKS) --trials $(KILL_TRIALS) --dir "$$dir/kill"
 
