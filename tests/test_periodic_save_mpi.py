@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from tensorplay_mpi import (SGD, DataParallel, Join, checkpoint, clear_save,
+from tensorplay_mpi import (SGD, DataParallel, Join, JoinableComm, checkpoint, clear_save,
                             clear_stop, request_save, request_stop, save_requested)
 from tensorplay_mpi.testing import assert_all, raises_everywhere
 
@@ -206,3 +206,27 @@ def test_a_periodic_save_refuses_stale_parameters_of_a_joined_rank(comm, tmp_pat
                     request_save("test")
     assert_all(not os.path.exists(os.path.join(directory, checkpoint.MANIFEST)),
                "a checkpoint was written")
+
+
+@pytest.mark.mpi
+def test_periodic_saves_with_a_joinable_comm_whose_iterations_end_with_a_message(comm, tmp_path):
+    """JoinableComm's end_iteration announces END to joined ranks: the save comes after it."""
+    directory = comm.bcast(str(tmp_path))
+    jc = JoinableComm(comm)
+    inputs = [2 + 2 * r for r in range(comm.size)]
+    totals, saves = [], []
+
+    def on_save():
+        checkpoint.save(directory, [np.ones(2)], step=join.iterations, comm=comm)
+        saves.append(join.iterations)
+
+    with Join([jc], on_save=on_save) as join:
+        for t in range(inputs[comm.rank]):
+            jc.begin_iteration()
+            totals.append(float(jc.allreduce(np.array([1.0 + t]))[0]))
+            if t % 2 == 1:
+                request_save("test")
+    expected = [(1.0 + t) * sum(n > t for n in inputs) for t in range(inputs[comm.rank])]
+    every = comm.allgather(saves)
+    assert_all(totals == expected and all(s == every[0] for s in every) and every[0],
+               f"totals {totals} (expected {expected}), saves by rank {every}")
