@@ -327,6 +327,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
     directory = os.fspath(directory)
+    params = [_host(p) for p in params]  # once: the replica digest, then rank 0's manifest
     counters = np.array([step, epoch, cursor, time.time_ns(), digest(params)], dtype=np.int64)
     every = np.empty((size, counters.size), dtype=np.int64)
     iallgather(comm, counters, every, "checkpoint counters").wait_or_abort(timeout)
