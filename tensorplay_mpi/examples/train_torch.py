@@ -49,8 +49,9 @@ def make_model(n_in: int, hidden: int, n_out: int, seed: int):
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
-    if args.checkpoint:
-        parser.error("--checkpoint: stop and resume are the NumPy demo's (examples.train)")
+    if args.checkpoint or args.save_every:
+        parser.error("--checkpoint, --save-every: stop and resume are the NumPy demo's "
+                     "(examples.train)")
     if args.device != "cpu":
         raise SystemExit(NO_CUDA)
     try:
