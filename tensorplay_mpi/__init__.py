@@ -8,7 +8,8 @@ from .errors import (CollectiveMismatchError, CollectiveTimeoutError, EarlyTermi
 from .joinable_comm import JoinableComm
 from .optim import SGD, Adam, AdamW, ZeroRedundancyOptimizer
 from .parallel import DataParallel
-from .stopping import clear_stop, request_stop, stop_on_signals, stop_requested
+from .stopping import (clear_save, clear_stop, keep_stop_signals, request_save, request_stop,
+                       save_requested, stop_on_signals, stop_requested)
 
 __version__ = "0.1.0"
 
@@ -17,5 +18,6 @@ __all__ = [
     "SGD", "Adam", "AdamW", "ZeroRedundancyOptimizer",
     "CollectiveMismatchError", "CollectiveTimeoutError", "EarlyTerminationError",
     "PeerFailureError", "stop_on_signals", "request_stop", "stop_requested", "clear_stop",
+    "request_save", "save_requested", "clear_save", "keep_stop_signals",
     "checkpoint", "comm", "data", "optim", "__version__",
 ]

@@ -8,8 +8,10 @@ holding its shard's state.  Every file is written to a temporary name, flushed t
 (``fsync``) and renamed; the manifest is renamed last and names the shard files of its own
 save, so a job killed at any point of a save keeps the previous checkpoint, whole.
 
-Both functions are collective over `comm` and run outside a Join: every rank calls them at the
-same point.  Their agreements are ``Iallgather`` s through :mod:`tensorplay_mpi.comm`; a
+Both functions are collective over `comm` and run outside a Join, or (``save``) from a Join's
+``on_save``, which every rank, joined or not, runs at one iteration boundary: every rank calls
+them at the same point; inside a running Join anywhere else they raise ``RuntimeError``.
+Their agreements are ``Iallgather`` s through :mod:`tensorplay_mpi.comm`; a
 failure on one rank (a full disk, a missing file, another world size) raises on every rank.
 The files use NumPy's ``.npz`` format, loaded without pickle.
 """
@@ -26,10 +28,15 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .algorithms.join import running_join
 from .buffers import is_device_array
+from .checkpoint_meta import check_config, check_savable, encode_config
 from .comm import check_comm, default_comm, iallgather, resolve_timeout
 from .guard import Guard
+from .replicas import digest
+from .stopping import clear_save
 from .optim import Optimizer, ZeroRedundancyOptimizer
+from .optim.zero import partition
 from .tensors import as_array, as_arrays
 
 __all__ = ["save", "load", "Saved", "Resumed", "MANIFEST"]
@@ -59,10 +66,33 @@ class Resumed(NamedTuple):
     step: int
     epoch: int
     cursor: int
-    """What this rank had consumed of the current epoch (the unit is the caller's)."""
+    """What this rank had consumed of the current epoch (the unit is the caller's); 0 when
+    the checkpoint was saved at another world size (``resize=True``: re-split with
+    :meth:`tensorplay_mpi.data.Sampler.resume`)."""
     cursors: tuple[int, ...]
+    """Every saved rank's cursor (as many as the saved world size)."""
     extra: dict[str, np.ndarray]
     path: str
+    world_size: int = 0
+    """The world size the checkpoint was saved at."""
+
+
+def _refuse_inside_join(what: str) -> None:
+    """Raise RuntimeError, before any collective, when called inside a running Join (outside
+    its ``on_save``): a joined rank would match this call's collectives with its polls."""
+    join = running_join()
+    if join is None:
+        return
+    rank = join.joinables[0].join_process_group.Get_rank()
+    if what == "save":
+        raise RuntimeError(
+            f"rank {rank}: checkpoint.save was called inside a running Join, where a joined "
+            "rank would match its collectives with the Join's polls: give the save to the Join "
+            "as `Join(..., on_save=...)` and ask for it with request_save() (every rank then "
+            "saves at one iteration), or save after the block")
+    raise RuntimeError(
+        f"rank {rank}: checkpoint.load was called inside a running Join: load before the "
+        "Join's block (a resume starts with every rank outside any Join)")
 
 
 # -- agreement -----------------------------------------------------------------------------------
@@ -243,10 +273,11 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
          optimizer: Optimizer | ZeroRedundancyOptimizer | None = None, step: int = 0,
          epoch: int = 0, cursor: int = 0, extra: Mapping[str, Any] | None = None,
          zero: str = "sharded", comm: MPI.Intracomm | None = None,
-         timeout: float | None = None) -> Saved:
+         timeout: float | None = None, config: Mapping[str, Any] | None = None) -> Saved:
     """Write a checkpoint to `directory` (made if missing), replacing the one there atomically.
 
-    Collective over `comm`: every rank calls it, outside a Join, with the same `params` and
+    Collective over `comm`: every rank calls it, outside a Join or from a Join's ``on_save``
+    (a periodic save, see :func:`~tensorplay_mpi.request_save`), with the same `params` and
     `buffers` (identical on every rank, as DataParallel keeps them), optimizer, `step` and
     `epoch`; `cursor` is this rank's own (what it consumed of the current epoch).
 
@@ -263,9 +294,10 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     step, epoch, cursor : int
         The counters (the same on every rank) and this rank's data cursor.
     extra : mapping of str to array, optional
-        Small arrays saved as rank 0 has them (say, the epoch's running totals).  A torch
-        optimizer's or scheduler's state goes here as arrays:
-        :func:`tensorplay_mpi.torch_state.state_arrays`.
+        Small arrays saved as rank 0 has them (say, the epoch's running totals); numeric or
+        string arrays only.  A torch optimizer's or scheduler's state goes here as arrays
+        (:func:`tensorplay_mpi.torch_state.state_arrays`), and so does an RNG's state
+        (:func:`tensorplay_mpi.rng.rng_state`).
     zero : {"sharded", "consolidated"}
         For a ZeroRedundancyOptimizer: each rank writes its shard's state to its own file, or
         rank 0 gathers the full state (``consolidate_state_dict``) and writes it.
@@ -273,6 +305,10 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         Defaults to ``MPI.COMM_WORLD``.
     timeout : float, optional
         Seconds any wait may take (default ``$TENSORPLAY_MPI_TIMEOUT``).
+    config : mapping, optional
+        The run's configuration as rank 0 has it (batch size, seed, model shape, optimizer
+        hyperparameters: whatever the cursors and the state depend on), plain data only;
+        :func:`load` given a `config` refuses a checkpoint recorded with another.
 
     Returns
     -------
@@ -284,9 +320,16 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     OSError
         On every rank, when writing failed on some rank (the previous checkpoint stays).
     ValueError, TypeError
-        On every rank, for different counters on different ranks, an unknown `zero`, an
-        optimizer that is none of the library's, or a hyperparameter that cannot be saved.
+        On every rank, for different counters or parameters on different ranks, an unknown
+        `zero`, an optimizer that is none of the library's, a hyperparameter that cannot be
+        saved, an array that would not load back without pickle (object arrays, a dict in
+        `extra`, structured dtypes) or a `config` value that is not plain data; nothing is
+        written.
+    RuntimeError
+        Inside a running Join outside its ``on_save``, before any collective (the ranks still
+        in the Join then raise :class:`~tensorplay_mpi.errors.PeerFailureError`).
     """
+    _refuse_inside_join("save")
     comm = check_comm(default_comm() if comm is None else comm)
     timeout = resolve_timeout(timeout)
     params, buffers = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
@@ -294,7 +337,8 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
     directory = os.fspath(directory)
-    counters = np.array([step, epoch, cursor, time.time_ns()], dtype=np.int64)
+    params = [_host(p) for p in params]  # once: the replica digest, then rank 0's manifest
+    counters = np.array([step, epoch, cursor, time.time_ns(), digest(params)], dtype=np.int64)
     every = np.empty((size, counters.size), dtype=np.int64)
     iallgather(comm, counters, every, "checkpoint counters").wait_or_abort(timeout)
     token = int(every[0, 3])
@@ -304,6 +348,9 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
             raise ValueError(f"ranks passed different step/epoch counters (by rank: "
                              f"{every[:, :2].tolist()}); pass the same on every rank")
         kind = _optimizer_kind(optimizer, zero)
+        check_savable(params, buffers, extra)
+        _check_replicated(every[:, 4])
+        recorded = encode_config(config)
     except (ValueError, TypeError) as refused:
         error = refused
     _agree(comm, error, "checkpoint arguments", timeout)
@@ -314,20 +361,35 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     shard = _shard_path(directory, rank, size, token)
     try:
         written = _write_files(comm, directory, shard, params, buffers, optimizer, kind, every,
-                               extra, timeout)
+                               extra, timeout, recorded)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(shard)  # this save's, if this rank wrote it: no manifest names it
         raise
     _remove_stale(directory, rank, shard)
+    clear_save()  # this rank's pending save request, if any, is served
     elapsed = _agree(comm, None, "checkpoint timing", timeout,
                      int((time.perf_counter() - start) * 1e9)).max() / 1e9
     return Saved(os.path.join(directory, MANIFEST), int(written.sum()), float(elapsed))
 
 
+def _check_replicated(digests: np.ndarray) -> None:
+    """Raise ValueError unless every rank holds the same parameters (rank 0's are saved)."""
+    if (digests != digests[0]).any():
+        groups: dict[int, list[int]] = {}
+        for rank, value in enumerate(digests.tolist()):
+            groups.setdefault(value, []).append(rank)
+        raise ValueError(
+            f"the ranks hold different parameters (the same within each of "
+            f"{list(groups.values())}), and a checkpoint saves rank 0's: inside a Join, a rank "
+            "that has joined skips an update written in the loop after dp.step(); put the "
+            "optimizer in the Join (Join([dp, opt])) so that joined ranks step too")
+
+
 def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequence[Any],
                  buffers: Sequence[Any], optimizer: Any, kind: str, every: np.ndarray,
-                 extra: Mapping[str, Any] | None, timeout: float) -> np.ndarray:
+                 extra: Mapping[str, Any] | None, timeout: float,
+                 config: dict[str, Any] | None = None) -> np.ndarray:
     """Write this rank's shard, agree, then rank 0 writes the manifest (the commit point),
     agree; every rank's bytes written."""
     error: BaseException | None = None
@@ -340,6 +402,9 @@ def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequen
             nbytes += _write(shard, arrays)
         if rank == 0:
             manifest = _manifest(params, buffers, optimizer, kind, every, extra, int(every[0, 3]))
+            if config is not None:
+                meta = json.loads(str(manifest["meta"]))
+                manifest["meta"] = np.array(json.dumps({**meta, "config": config}))
     except Exception as failed:
         error = failed
     _agree(comm, error, "checkpoint write (optimizer shards and the manifest's contents)"
@@ -389,11 +454,18 @@ def _manifest(params: Sequence[Any], buffers: Sequence[Any], optimizer: Any, kin
 
 def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequence[Any] = (),
          optimizer: Optimizer | ZeroRedundancyOptimizer | None = None,
-         comm: MPI.Intracomm | None = None, timeout: float | None = None) -> Resumed | None:
+         comm: MPI.Intracomm | None = None, timeout: float | None = None,
+         config: Mapping[str, Any] | None = None, resize: bool = False) -> Resumed | None:
     """Load the checkpoint in `directory` into `params`, `buffers` and `optimizer`, in place.
 
     Collective over `comm`: every rank calls it, outside a Join, with the same arguments as
     :func:`save` took.  Nothing is modified unless every rank could read and check everything.
+    With `config`, the configuration the checkpoint recorded (``save(..., config=)``) must be
+    equal, key by key; leave out the keys a resume may change (say, the number of epochs).
+    With ``resize=True`` a checkpoint saved at another world size loads: the replicated state
+    as it is, a ZeRO state saved sharded re-sharded over this world size (every rank reads
+    every saved shard), and the data cursors are left to the caller to re-split
+    (:class:`tensorplay_mpi.data.Sampler`).
 
     Returns
     -------
@@ -406,11 +478,13 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     ValueError
         On every rank, when the checkpoint was saved at another world size, for other
         parameter or buffer shapes/dtypes, another optimizer (class, state shapes, or none),
-        in another format, or when only some ranks see it (the directory must be on a file
-        system every rank shares).
+        in another format, when only some ranks see it (the directory must be on a file
+        system every rank shares), or when `config` differs from the recorded one (naming
+        every key that differs).
     OSError
         On every rank, when reading failed on some rank.
     """
+    _refuse_inside_join("load")
     comm = check_comm(default_comm() if comm is None else comm)
     timeout = resolve_timeout(timeout)
     params, buffers = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
@@ -430,7 +504,8 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         arrays = _read(path)
         meta = json.loads(str(arrays["meta"]))
         token = meta["token"]
-        _check_manifest(meta, params, buffers, size)
+        _check_manifest(meta, params, buffers, size, resize)
+        check_config(meta.get("config"), config)
         state = _optimizer_state(meta, arrays, optimizer, os.fspath(directory), rank, size)
     except Exception as failed:
         error = failed
@@ -443,24 +518,27 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     for i, b in enumerate(buffers):
         _copy_into(b, arrays[f"buffers/{i}"])
     if state is not None and optimizer is not None:
-        if isinstance(optimizer, ZeroRedundancyOptimizer) and meta["optimizer"] == "zero-sharded":
+        if (isinstance(optimizer, ZeroRedundancyOptimizer) and meta["optimizer"] == "zero-sharded"
+                and meta["world_size"] == size):
             optimizer.local.load_state_dict(state)
         else:
             optimizer.load_state_dict(state)
     extra = {k[len("extra/"):]: v for k, v in arrays.items() if k.startswith("extra/")}
     cursors = tuple(meta["cursors"])
-    return Resumed(meta["step"], meta["epoch"], cursors[rank], cursors, extra, path)
+    cursor = cursors[rank] if len(cursors) == size else 0
+    return Resumed(meta["step"], meta["epoch"], cursor, cursors, extra, path, len(cursors))
 
 
 def _check_manifest(meta: dict, params: Sequence[Any], buffers: Sequence[Any],
-                    size: int) -> None:
+                    size: int, resize: bool = False) -> None:
     if meta.get("format") != FORMAT:
         raise ValueError(f"checkpoint format {meta.get('format')!r}, this version reads "
                          f"format {FORMAT}")
-    if meta["world_size"] != size:
+    if meta["world_size"] != size and not resize:
         raise ValueError(f"the checkpoint was saved at {meta['world_size']} ranks, this job has "
                          f"{size}: its data cursors describe {meta['world_size']} shards; resume "
-                         f"at {meta['world_size']} ranks")
+                         f"at {meta['world_size']} ranks, or pass resize=True and re-split the "
+                         "data (tensorplay_mpi.data.Sampler)")
     for name, arrays in (("params", params), ("buffers", buffers)):
         mine = [[list(a.shape), a.dtype.str] for a in arrays]
         if meta[name] != mine:
@@ -484,15 +562,40 @@ def _optimizer_state(meta: dict, arrays: dict[str, np.ndarray], optimizer: Any,
                          f"given is {'none' if optimizer is None else type(optimizer).__name__}"
                          " (a full state loads into a local optimizer or a "
                          "ZeroRedundancyOptimizer; a sharded one only into the latter)")
+    if not full and meta["world_size"] != size:  # re-shard: this rank reads every shard
+        full, (state_meta, arrays) = True, _gathered_shards(meta, directory, optimizer.params)
+    else:
+        state_meta = meta.get("optimizer_state", {})
     if full:
         live = optimizer.local if wanted.startswith("zero") else optimizer
-        state = _unflatten(meta["optimizer_state"], arrays, "optimizer", live)
+        state = _unflatten(state_meta, arrays, "optimizer", live)
         _check_state(state, live, [tuple(p.shape) for p in optimizer.params])
         return state
     shard = _read(_shard_path(directory, rank, size, meta["token"]))
     state = _unflatten(json.loads(str(shard["meta"])), shard, "optimizer", optimizer.local)
     _check_state(state, optimizer.local, [tuple(p.shape) for p in optimizer.local.params])
     return state
+
+
+def _gathered_shards(meta: dict, directory: str, params: Sequence[Any]
+                     ) -> tuple[dict, dict[str, np.ndarray]]:
+    """A ZeRO state saved sharded (at another world size) as one full state: every saved
+    rank's shard file, its parameters numbered as in the whole model."""
+    world = meta["world_size"]
+    owners = partition([p.nbytes for p in params], world)  # as the saving optimizer had them
+    full: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
+    for rank in range(world):
+        shard = _read(_shard_path(directory, rank, world, meta["token"]))
+        shard_meta = json.loads(str(shard["meta"]))
+        full = full or dict(shard_meta, state={})
+        mine = [i for i, owner in enumerate(owners) if owner == rank]
+        for k, names in shard_meta["state"].items():
+            i = mine[int(k)]
+            full["state"][str(i)] = names
+            arrays.update({f"optimizer/{i}/{name}": shard[f"optimizer/{k}/{name}"]
+                           for name in names})
+    return full, arrays
 
 
 def _copy_into(target: Any, host: np.ndarray) -> None:

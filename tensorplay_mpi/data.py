@@ -1,12 +1,13 @@
-"""Uneven sharding without padding or dropping: every sample belongs to exactly one rank."""
+"""Uneven sharding without padding or dropping: every sample belongs to exactly one rank, and
+:class:`Sampler`, which keeps that true per epoch across a resume at another world size."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["shard_sizes", "shard", "batches"]
+__all__ = ["shard_sizes", "shard", "batches", "Sampler"]
 
 
 def shard_sizes(num_samples: int, size: int, skew: float = 0.0,
@@ -49,3 +50,185 @@ def batches(indices: range | np.ndarray, batch_size: int,
     if rng is not None:
         order = rng.permutation(order)
     return [order[i:i + batch_size] for i in range(0, order.size, batch_size)]
+
+
+_STATE_FORMAT = 1
+
+
+class Sampler:
+    """This rank's batches, epoch by epoch: every sample exactly once per epoch, resumable at
+    another world size.
+
+    Epoch ``e`` at ``size`` ranks: rank ``r`` takes its contiguous :func:`shard` of
+    ``range(num_samples)``, permuted by ``np.random.default_rng([seed, e, r])`` (unless
+    ``shuffle=False``), in batches of `batch_size`: the order of ``batches(shard(...), ...)``.
+    :attr:`cursor` counts this rank's batches consumed in the epoch (a batch counts once the
+    loop asks for the next one, so a ``break`` leaves the current batch unconsumed).
+
+    A checkpoint saves ``cursor=sampler.cursor`` and ``extra={"sampler": sampler.state()}``;
+    :meth:`resume` takes the saved epoch, every rank's cursor and that state.  At the same
+    world size every rank goes on with its own shard from its cursor (the run never stopped).
+    At another world size the samples of the interrupted epoch that no rank consumed are split
+    over the new ranks (contiguously, in the old ranks' order, with the same `skew`), so the
+    epoch still uses each sample exactly once; later epochs use the new world size's split.
+    A second resize in the same epoch re-splits what is left again.
+
+    Parameters
+    ----------
+    num_samples : int
+        The data set's size; sample ids are ``0 .. num_samples - 1``.
+    rank, size : int
+        This rank and the world size.
+    batch_size : int
+        Samples per batch (a shard's last batch may be smaller).
+    seed : int, default 0
+        The order's seed.
+    skew : float, default 0
+        Rank ``r`` gets a share proportional to ``1 + skew * r`` (:func:`shard_sizes`).
+    shuffle : bool, default True
+        Permute each shard per epoch; ``False`` keeps the ids in order.
+
+    Examples
+    --------
+    ::
+
+        sampler = Sampler(len(data), comm.rank, comm.size, batch_size=16, seed=0)
+        resumed = checkpoint.load(directory, params, comm=comm, resize=True)
+        if resumed is not None:
+            sampler.resume(resumed.epoch, resumed.cursors, resumed.extra.get("sampler"))
+        for epoch in range(sampler.epoch, epochs + 1):
+            sampler.set_epoch(epoch)
+            with Join([dp]) as join:
+                for idx in sampler:
+                    if join.stopped:
+                        break
+                    ...
+    """
+
+    def __init__(self, num_samples: int, rank: int, size: int, *, batch_size: int,
+                 seed: int = 0, skew: float = 0.0, shuffle: bool = True) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"need 0 <= rank < size, got rank {rank}, size {size}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        shard_sizes(num_samples, size, skew)  # checks num_samples, size and skew
+        self.num_samples, self.rank, self.size = int(num_samples), int(rank), int(size)
+        self.batch_size, self.seed, self.skew, self.shuffle = batch_size, seed, skew, shuffle
+        self.epoch = 1
+        self.cursor = 0
+        self._splits: list[tuple[int, list[int]]] = []  # earlier splits of this epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` at its beginning; nothing changes if it is the current epoch (so a
+        resumed epoch goes on from the cursor)."""
+        if epoch != self.epoch:
+            self.epoch, self.cursor, self._splits = int(epoch), 0, []
+
+    def _fresh(self, size: int) -> list[np.ndarray]:
+        """Every rank's samples of the current epoch at `size` ranks, in order."""
+        parts = []
+        for r in range(size):
+            ids = np.asarray(shard(self.num_samples, r, size, self.skew))
+            if self.shuffle:
+                ids = np.random.default_rng([self.seed, self.epoch, r]).permutation(ids)
+            parts.append(ids)
+        return parts
+
+    def _parts(self) -> list[np.ndarray]:
+        """Every current rank's samples of the epoch (consumed ones included): the epoch's
+        first split, then what each later split left, re-split."""
+        if not self._splits:
+            return self._fresh(self.size)
+        parts = self._fresh(self._splits[0][0])
+        sizes = [size for size, _ in self._splits[1:]] + [self.size]
+        for (_, cursors), size in zip(self._splits, sizes):
+            for r, (part, c) in enumerate(zip(parts, cursors)):
+                if not 0 <= c <= -(-part.size // self.batch_size):
+                    raise ValueError(
+                        f"cannot re-split the data: rank {r}'s cursor {c} is beyond its "
+                        f"{part.size} samples in batches of {self.batch_size}")
+            parts = _split(np.concatenate([p[c * self.batch_size:] for p, c in
+                                           zip(parts, cursors)]), size, self.skew)
+        return parts
+
+    def batches(self) -> list[np.ndarray]:
+        """This rank's batches of the current epoch, consumed ones included."""
+        mine = self._parts()[self.rank]
+        return [mine[i:i + self.batch_size] for i in range(0, mine.size, self.batch_size)]
+
+    def max_batches(self) -> int:
+        """The most batches any rank has in the current epoch (the Join's iterations)."""
+        return max(-(-p.size // self.batch_size) for p in self._parts())
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """This rank's batches from :attr:`cursor` on, counting each once the next is asked."""
+        for batch in self.batches()[self.cursor:]:
+            yield batch
+            self.cursor += 1
+
+    def state(self) -> np.ndarray:
+        """What :meth:`resume` needs besides the epoch and the cursors: an int64 array (the
+        same on every rank) for a checkpoint's ``extra``."""
+        flat = [_STATE_FORMAT, self.num_samples, self.batch_size, self.epoch, self.size,
+                len(self._splits)]
+        for size, cursors in self._splits:
+            flat += [size, *cursors]
+        return np.array(flat, dtype=np.int64)
+
+    def resume(self, epoch: int, cursors: Sequence[int], state: np.ndarray | None) -> None:
+        """Go on from a checkpoint: its `epoch`, every saved rank's cursor and :meth:`state`.
+
+        Raises
+        ------
+        ValueError
+            On every rank alike, when the data cannot be re-split: another number of samples or
+            batch size, a state of another epoch, cursors that do not fit, or no state while the
+            world size changed.
+        """
+        cursors = [int(c) for c in cursors]
+        if state is None:
+            if len(cursors) != self.size:
+                raise ValueError(
+                    f"the checkpoint holds no sampler state (extra['sampler']), so its "
+                    f"{len(cursors)} ranks' cursors cannot be re-split over {self.size} ranks: "
+                    f"resume at {len(cursors)} ranks, or save sampler.state()")
+            splits: list[tuple[int, list[int]]] = []
+        else:
+            splits = self._decode(np.asarray(state), epoch, len(cursors))
+        self.epoch, self.cursor = int(epoch), 0
+        if len(cursors) == self.size:  # go on with every rank's own shard
+            self._splits = splits
+            self._splits.append((self.size, cursors))
+            self._parts()  # checks every cursor
+            self._splits.pop()
+            self.cursor = cursors[self.rank]
+        else:  # what no rank consumed, over this world size
+            self._splits = [*splits, (len(cursors), cursors)]
+            self._parts()
+
+    def _decode(self, state: np.ndarray, epoch: int, saved_size: int
+                ) -> list[tuple[int, list[int]]]:
+        flat = state.astype(np.int64).tolist()
+        if len(flat) < 6 or flat[0] != _STATE_FORMAT:
+            raise ValueError(f"not a Sampler state (format {flat[:1]}), cannot re-split")
+        num, batch, saved_epoch, size, count = flat[1:6]
+        if (num, batch) != (self.num_samples, self.batch_size):
+            raise ValueError(
+                f"cannot re-split the data: the checkpoint's sampler had {num} samples in "
+                f"batches of {batch}, this one {self.num_samples} in batches of "
+                f"{self.batch_size} (the cursors count those batches)")
+        if saved_epoch != epoch or size != saved_size:
+            raise ValueError(f"the sampler state is of epoch {saved_epoch} at {size} ranks, "
+                             f"the checkpoint's cursors of epoch {epoch} at {saved_size}")
+        splits, at = [], 6
+        for _ in range(count):
+            n = flat[at]
+            splits.append((n, flat[at + 1:at + 1 + n]))
+            at += 1 + n
+        return splits
+
+
+def _split(ids: np.ndarray, size: int, skew: float) -> list[np.ndarray]:
+    """`ids` in contiguous pieces over `size` ranks (:func:`shard_sizes`)."""
+    bounds = np.concatenate([[0], np.cumsum(shard_sizes(ids.size, size, skew))])
+    return [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

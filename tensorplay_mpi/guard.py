@@ -82,6 +82,7 @@ class Guard:
         self._first_notice: float | None = None
         self._settled: tuple[BaseException, Verdict] | None = None  # the latest settle
         self.broken: str | None = None
+        self.replica_check_due = False  # a failure was judged intact: check the replicas
         self.started = 0  # collectives started on the guarded communicator (and their checks)
         self._stall: StallReport | None = None  # a stall report waiting for answers
         self._sent: list[np.ndarray] = []  # payloads of stall messages, kept while MPI may read
@@ -218,6 +219,7 @@ class Guard:
             verdict = Verdict(False, progress)
         else:
             verdict = self._agree(error, progress)
+            self.replica_check_due = self.replica_check_due or verdict.intact
         self._settled = (error, verdict)
         return verdict
 

@@ -14,13 +14,15 @@ import signal
 from types import FrameType
 from typing import Iterable, Iterator
 
-__all__ = ["stop_on_signals", "request_stop", "stop_requested", "clear_stop", "STOP_SIGNALS"]
+__all__ = ["stop_on_signals", "keep_stop_signals", "request_stop", "stop_requested", "clear_stop",
+           "STOP_SIGNALS", "request_save", "save_requested", "clear_save"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """What Slurm sends at the time limit (SIGTERM), what ``--signal`` and ``scancel --signal``
 are usually set to send before it (SIGUSR1), and Ctrl-C (SIGINT)."""
 
 _request: str | None = None  # this rank's pending stop request: why
+_save: str | None = None  # this rank's pending save request: why
 
 
 def request_stop(reason: str = "request_stop()") -> None:
@@ -51,10 +53,64 @@ def clear_stop() -> None:
     _request = None
 
 
+def request_save(reason: str = "request_save()") -> None:
+    """Ask for a checkpoint from this rank at the next iteration boundary of every rank.
+
+    Local, like :func:`request_stop`: it only sets a flag.  The next heartbeat (or poll) of an
+    enabled :class:`~tensorplay_mpi.Join` carries it; every rank, joined or not, then runs the
+    Join's ``on_save`` at one iteration boundary, and the request is withdrawn.  Several
+    requests before that save make one save.
+
+    Raises
+    ------
+    TypeError
+        If `reason` is not a string.
+    """
+    global _save
+    if not isinstance(reason, str):
+        raise TypeError(f"reason must be a string, got {type(reason).__name__}")
+    if _save is None:
+        _save = reason
+
+
+def save_requested() -> str | None:
+    """This rank's own pending save request (its reason), else ``None``; not coordinated."""
+    return _save
+
+
+def clear_save() -> None:
+    """Withdraw this rank's save request (a Join does it once the save ran)."""
+    global _save
+    _save = None
+
+
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     if signum == signal.SIGINT and _request is not None:
         raise KeyboardInterrupt  # Ctrl-C while a stop is pending: stop now, as Python would
     request_stop(signal.Signals(signum).name)
+
+
+def _signals(signals: Iterable[int], who: str) -> list[signal.Signals]:
+    chosen = []
+    for signum in signals:
+        if isinstance(signum, bool) or not isinstance(signum, int):
+            raise TypeError(f"{who} takes signal numbers (signal.SIGTERM, ...), got "
+                            f"{type(signum).__name__} {signum!r}")
+        chosen.append(signal.Signals(signum))
+    return chosen
+
+
+def keep_stop_signals(signals: Iterable[int] = STOP_SIGNALS) -> None:
+    """Turn `signals` into stop requests from now until the program ends.
+
+    The same handler as :func:`stop_on_signals`, never restored: call it first thing in the
+    program (right after ``import tensorplay_mpi``), and a signal that arrives during the set-up,
+    the final save or the report only sets a request instead of killing the job.  A
+    :func:`stop_on_signals` block inside restores this handler when it exits.  Takes and raises
+    what :func:`stop_on_signals` does.
+    """
+    for signum in _signals(signals, "keep_stop_signals"):
+        signal.signal(signum, _on_signal)
 
 
 @contextlib.contextmanager
@@ -81,12 +137,7 @@ def stop_on_signals(signals: Iterable[int] = STOP_SIGNALS) -> Iterator[None]:
     TypeError
         If an element is not a signal number.
     """
-    chosen = []
-    for signum in signals:
-        if isinstance(signum, bool) or not isinstance(signum, int):
-            raise TypeError(f"stop_on_signals takes signal numbers (signal.SIGTERM, ...), got "
-                            f"{type(signum).__name__} {signum!r}")
-        chosen.append(signal.Signals(signum))
+    chosen = _signals(signals, "stop_on_signals")
     previous = {}
     try:
         for signum in chosen:

@@ -5,12 +5,17 @@ all nonblocking; the documentation's "Wire protocol" page has every joinable's s
 
 - active rank, each iteration: every joinable's :meth:`Joinable.end_iteration` (list order),
   then ``Iallreduce([1], SUM)`` (the heartbeat), then the iteration's collectives, joinable by
-  joinable in list order; a rank with a pending stop request (:mod:`tensorplay_mpi.stopping`)
-  sends ``1 + 2**32`` instead, so the sum's high half counts the ranks that ask to stop;
+  joinable in list order.  The heartbeat is a bit field: bits 0-23 count the active ranks
+  (1), bits 24-43 the ranks that ask to stop, bits 44-62 the ranks that ask for a save
+  (:mod:`tensorplay_mpi.stopping`); so a rank with a pending stop request sends ``1 + 2**24``;
 - on leaving the block: every ``end_iteration`` once more, then the joined loop.  Joined rank,
-  each round: ``Iallreduce([0], SUM)`` (``2**32`` with a stop request) + wait gives the
-  number of active ranks ``n`` (the low half); ``n == 0`` ends the loop, else every main hook
+  each round: ``Iallreduce([0], SUM)`` (plus the request bits) + wait gives the
+  number of active ranks ``n`` (the low field); ``n == 0`` ends the loop, else every main hook
   shadows one active iteration, in list order; then every post hook once, in list order;
+- a save request read in a heartbeat or poll makes every rank run the Join's ``on_save`` once,
+  at one boundary: an active rank before its next heartbeat (after ``end_iteration``) or, when
+  it leaves the block, before its first poll; a joined rank after that round's main hooks (after
+  the post hooks when the poll said ``n == 0``); never once the Join has stopped;
 - throw mode adds one pair per iteration: active ``Iallreduce([0])`` + wait (raise if > 0),
   joined ``Iallreduce([1])`` + wait, then raise
   :class:`~tensorplay_mpi.errors.EarlyTerminationError`.
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 from mpi4py import MPI
@@ -29,8 +34,9 @@ from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
 from ..guard import Guard
+from ..replicas import check_replicas
 from ..settings import settings
-from ..stopping import stop_requested
+from ..stopping import clear_save, save_requested, stop_requested
 from ..threads import limit_threads
 from ..work import complete_pending
 
@@ -39,8 +45,11 @@ __all__ = ["Join", "Joinable", "JoinHook"]
 SKEW_WARN_ROUNDS = 1000
 """A joined rank that shadows more rounds than this warns once about the input skew."""
 
-_STOP = 1 << 32
-"""What a stop request adds to a heartbeat or poll: the sum's high half counts the requests."""
+_ACTIVE_BITS, _STOP_BITS = 24, 20  # the heartbeat's fields: active count, stops, saves
+_STOP = 1 << _ACTIVE_BITS
+"""What a stop request adds to a heartbeat or poll (bits 24-43 count the requests)."""
+_SAVE = 1 << (_ACTIVE_BITS + _STOP_BITS)
+"""What a save request adds to a heartbeat or poll (bits 44-62 count the requests)."""
 
 
 def _constant(value: int) -> np.ndarray:
@@ -49,7 +58,21 @@ def _constant(value: int) -> np.ndarray:
     return array
 
 
-_HEARTBEAT = {False: _constant(1), True: _constant(1 + _STOP)}  # by "a stop is requested"
+# the heartbeat by (a stop is requested, a save is requested)
+_HEARTBEAT = {(stop, save): _constant(1 + stop * _STOP + save * _SAVE)
+              for stop in (False, True) for save in (False, True)}
+
+_running: list["Join"] = []  # the entered, enabled Joins of this process, innermost last
+_saving: list["Join"] = []  # the Joins whose on_save runs now
+
+
+def running_join() -> "Join | None":
+    """The innermost entered, enabled Join of this process whose ``on_save`` is not running
+    now, else ``None``: where a collective of the caller's would cross-match a joined rank's."""
+    for join in reversed(_running):
+        if join not in _saving:
+            return join
+    return None
 
 
 class JoinHook:
@@ -120,6 +143,15 @@ class Joinable(ABC):
         """`join` was made with this joinable: until it is entered, it may be forgotten."""
         self._made_join = join
 
+    def replicated_arrays(self) -> "list[Any]":
+        """Arrays that must be identical on every rank (parameters, replicated optimizer state).
+
+        After a failure every rank caught at the same point, the next Join on the communicator
+        compares a digest of them across ranks (:mod:`tensorplay_mpi.replicas`).  The default
+        is none.
+        """
+        return []
+
     def end_iteration(self) -> None:
         """Close the current iteration; the Join calls it before each heartbeat and once
         before this rank starts shadowing, for every joinable in list order.
@@ -178,6 +210,11 @@ class Join:
         Seconds any of the Join's waits may take before the job is aborted with
         :class:`~tensorplay_mpi.errors.CollectiveTimeoutError`; default
         ``$TENSORPLAY_MPI_TIMEOUT`` or 1800.
+    on_save : callable, optional
+        Called without arguments on every rank, joined or not, at one iteration boundary after
+        a save request (:func:`~tensorplay_mpi.request_save`) of any rank rode a heartbeat or
+        poll: the place for a periodic :func:`tensorplay_mpi.checkpoint.save`.  Without it a
+        request only sets :attr:`save_due`.
     **kwargs
         Passed to every joinable's :meth:`Joinable.join_hook`.
 
@@ -186,8 +223,8 @@ class Join:
     ValueError
         If `joinables` is empty, holds a joinable twice, or spans several communicators.
     TypeError
-        If an element is not a Joinable, skipped ``Joinable.__init__``, or its communicator
-        is not an intra-communicator.
+        If an element is not a Joinable, skipped ``Joinable.__init__``, its communicator
+        is not an intra-communicator, or `on_save` is not callable.
 
     Notes
     -----
@@ -270,10 +307,14 @@ class Join:
         enable: bool = True,
         throw_on_early_termination: bool = False,
         timeout: float | None = None,
+        on_save: Callable[[], Any] | None = None,
         **kwargs: Any,
     ) -> None:
         self._joinables = list(joinables)
         self._check_joinables()
+        if on_save is not None and not callable(on_save):
+            raise TypeError(f"on_save must be a callable or None, got {type(on_save).__name__}")
+        self._on_save = on_save
         self._comm: MPI.Intracomm = self._joinables[0].join_process_group
         self._rank = self._comm.Get_rank()
         for joinable in self._joinables:
@@ -288,6 +329,10 @@ class Join:
         self._iterations = 0  # heartbeats sent
         self._stops = 0  # the most ranks any completed heartbeat or poll said asked to stop
         self._asked: str | None = None  # this rank's request, once a heartbeat or poll sent it
+        self._save_due = False  # a completed heartbeat or poll carried a save request
+        self._save_sent = False  # this rank's save request went out in a heartbeat or poll
+        self._saves = 0  # times on_save ran
+        self._rounds = 0  # rounds shadowed once joined
         self._entered = False
         self._joining = False
         for joinable in self._joinables:
@@ -325,9 +370,14 @@ class Join:
         self._entered = True
         settings()  # a bad environment value raises here, before anything starts
         self._guard = Guard.attach(self._comm)
+        if self._enable and self._guard.replica_check_due:  # after a caught failure only
+            self._guard.replica_check_due = False
+            check_replicas(self._comm, self._joinables, self._timeout)
         limit_threads(self._comm)
         for joinable in self._joinables:
             joinable._bind_join(self)
+        if self._enable:
+            _running.append(self)
         return self
 
     # -- the public view joinables read -----------------------------------------------------
@@ -382,6 +432,30 @@ class Join:
             return self._asked
         return f"a stop requested by {self._stops} other rank(s)"
 
+    @property
+    def save_due(self) -> bool:
+        """Whether a save request rode a heartbeat or poll and ``on_save`` has not run for it.
+
+        The same on every rank at the same iteration, read as :attr:`stopped` is.  Inside the
+        block it is true only between that heartbeat and the next boundary, where ``on_save``
+        runs; without ``on_save`` (or once the Join has stopped) it stays true, so the caller
+        can save after the block.
+        """
+        if self._enable and not self._joining and self._heartbeats:
+            self._heartbeats[-1].wait_or_abort(self._timeout)
+        return self._save_due
+
+    @property
+    def iterations(self) -> int:
+        """Iterations of the ranks still active so far: heartbeats this rank sent plus rounds
+        it shadowed.  The same on every rank inside ``on_save`` (the step of a save)."""
+        return self._iterations + self._rounds
+
+    @property
+    def saves(self) -> int:
+        """How many times this Join ran ``on_save`` on this rank (the same on every rank)."""
+        return self._saves
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             if not self._enable:  # inert: started nothing, agrees on nothing
@@ -392,11 +466,14 @@ class Join:
                 try:
                     self._finish_iterations()
                     self._wait_heartbeats()
+                    self._run_due_save()
                     self._join_loop()
                 except BaseException as error:
                     self._settle(error)
                     raise
         finally:
+            if self in _running:
+                _running.remove(self)
             for joinable in self._joinables:
                 joinable._bind_join(None)
             if self._guard is not None:
@@ -449,10 +526,14 @@ class Join:
 
     def _heartbeat(self) -> Work:
         self._finish_iterations()
+        if self._on_save is not None and self._heartbeats:
+            self._heartbeats[-1].wait_or_abort(self._timeout)  # did it carry a save request?
+            self._run_due_save()
         self._heartbeats = [w for w in self._heartbeats if not w.is_completed()]
         self._iterations += 1
         recv = np.empty(1, dtype=np.int64)
-        work = iallreduce(self._comm, _HEARTBEAT[self._asks_to_stop()], recv, MPI.SUM,
+        send = _HEARTBEAT[self._asks_to_stop(), self._asks_to_save()]
+        work = iallreduce(self._comm, send, recv, MPI.SUM,
                           f"heartbeat (iteration {self._iterations})", finish=self._read_count)
         self._heartbeats.append(work)
         if self._throw_on_early_termination and self._sum_over_ranks(
@@ -467,11 +548,33 @@ class Join:
         self._asked = self._asked or stop_requested()
         return self._asked is not None
 
+    def _asks_to_save(self) -> bool:
+        """Whether this rank's next heartbeat or poll carries a save request (noting it)."""
+        self._save_sent = self._save_sent or save_requested() is not None
+        return self._save_sent
+
     def _read_count(self, buf: np.ndarray) -> int:
-        """The number of active ranks in a heartbeat's or poll's sum; notes the stop requests."""
+        """The number of active ranks in a heartbeat's or poll's sum; notes the requests."""
         total = int(buf[0])
-        self._stops = max(self._stops, total >> 32)
+        self._stops = max(self._stops, (total >> _ACTIVE_BITS) & (_SAVE // _STOP - 1))
+        self._save_due = self._save_due or total >= _SAVE
         return total & (_STOP - 1)
+
+    def _run_due_save(self) -> None:
+        """Run ``on_save`` if a save is due and the Join has not stopped (a stop's own save
+        follows); every rank decides on the same heartbeats, so at the same boundary."""
+        if not self._save_due or self._on_save is None or self._stops > 0:
+            return
+        self._save_due = False
+        _saving.append(self)
+        try:
+            self._on_save()
+        finally:
+            _saving.remove(self)
+        self._saves += 1
+        if self._save_sent:
+            self._save_sent = False
+            clear_save()
 
     def _finish_iterations(self) -> None:
         for joinable in self._joinables:
@@ -504,16 +607,19 @@ class Join:
                     "degradation.",
                     stacklevel=3,
                 )
-            stop = _STOP if self._asks_to_stop() else 0
+            asks = _STOP * self._asks_to_stop() + _SAVE * self._asks_to_save()
             if self._read_count(self._sum_over_ranks(
-                    stop, f"poll (round {rounds + 1} after joining)")) == 0:
+                    asks, f"poll (round {rounds + 1} after joining)")) == 0:
                 break
             if self._throw_on_early_termination:
                 self._sum_over_ranks(1, "throw notice")
                 raise EarlyTerminationError(f"Rank {self._rank} exhausted all inputs.")
             for hook in self._join_hooks:
                 hook.main_hook()
-            is_last_joiner = False
             rounds += 1
+            self._rounds = rounds
+            self._run_due_save()
+            is_last_joiner = False
         for hook in self._join_hooks:
             hook.post_hook(is_last_joiner)
+        self._run_due_save()

@@ -19,15 +19,15 @@ rank (as ``srun``, ``scancel`` and Slurm's time limit deliver them) stops every 
 iteration boundary; the job writes a checkpoint to DIR and exits with status 75 (EX_TEMPFAIL:
 stopped, run it again).  The same command then resumes where it stopped and ends with the
 digest of a run never stopped.  A completed run also leaves a checkpoint, so running it again
-only prints the result.
+only prints the result.  With ``--save-every STEPS`` it also writes the checkpoint every STEPS
+steps, inside the Join (joined ranks included), so a job killed without a signal (``kill -9``,
+a node failure, an OOM kill) resumes from the last of these saves.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
-import math
 import sys
 import time
 from types import ModuleType
@@ -36,8 +36,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import DataParallel, Join, checkpoint, stop_on_signals
-from tensorplay_mpi.data import batches, shard, shard_sizes
+from tensorplay_mpi import SGD, DataParallel, Join, checkpoint, keep_stop_signals, request_save
+from tensorplay_mpi.comm import iallreduce
+from tensorplay_mpi.data import Sampler, shard_sizes
 
 STOPPED = 75
 """The exit status of a stopped job (EX_TEMPFAIL of sysexits.h): its checkpoint is written,
@@ -159,6 +160,39 @@ def epoch_done(comm: MPI.Intracomm, epoch: int, epochs: int, totals: np.ndarray)
                  f"loss {loss / samples:.4f}  train accuracy {correct / samples:.4f}")
 
 
+class Tally:
+    """An epoch's running totals on this rank: loss sum, correct, samples, and how many times
+    each sample was used (to check every sample once per epoch across resumes)."""
+
+    def __init__(self, num_samples: int, saved: dict[str, np.ndarray] | None = None) -> None:
+        saved = saved or {}
+        self.totals = np.array(saved.get("totals", np.zeros(3)), dtype=np.float64)
+        self.seen = np.array(saved.get("seen", np.zeros(num_samples, np.uint8)), dtype=np.uint8)
+
+    def add(self, idx: np.ndarray, loss: float, correct: int) -> None:
+        self.totals += (loss, correct, len(idx))
+        np.add.at(self.seen, idx, 1)
+
+    def summed(self, comm: MPI.Intracomm) -> dict[str, np.ndarray]:
+        """Every rank's tally summed, on every rank; through the library's collectives, so a
+        Join's ``on_save`` may call it (every rank, joined or not, runs it at one point)."""
+        out: dict[str, np.ndarray] = {"totals": np.empty(3), "seen": np.empty_like(self.seen)}
+        for name, mine in (("totals", self.totals), ("seen", self.seen)):
+            iallreduce(comm, mine, out[name]).wait()
+        return out
+
+
+def once(comm: MPI.Intracomm, epoch: int, seen: np.ndarray) -> bool:
+    """Print (rank 0) how many samples `epoch` used and whether each exactly once."""
+    ok = bool((seen == 1).all())
+    if comm.rank == 0:
+        verdict = "yes" if ok else (f"NO ({int((seen == 0).sum())} never, "
+                                    f"{int((seen > 1).sum())} more than once)")
+        print(f"epoch {epoch} (resumed) used {int(seen.sum())} samples of {seen.size}, each "
+              f"exactly once: {verdict}", flush=True)
+    return ok
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The demo's flags (``examples.train_torch`` takes the same, but ``--checkpoint``)."""
     parser = argparse.ArgumentParser(description="Data-parallel MLP on uneven shards.")
@@ -178,14 +212,28 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="resume from the checkpoint in DIR if there is one; on SIGTERM, "
                              f"SIGUSR1 or SIGINT stop, write it and exit with status {STOPPED}")
+    parser.add_argument("--save-every", type=int, default=0, metavar="STEPS",
+                        help="with --checkpoint: also write it every STEPS steps (0: never)")
     return parser
 
 
+RESUMABLE = ("epochs", "checkpoint", "save_every", "min_accuracy")
+"""The flags a resume may change; the checkpoint records every other one (``config=``)."""
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags the saved state and the cursors depend on (batch size, seed, model, ...)."""
+    return {k: v for k, v in vars(args).items() if k not in RESUMABLE}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
-    # from the start: a signal during the set-up rides in the first heartbeat
-    with stop_on_signals() if args.checkpoint else contextlib.nullcontext():
-        return run(args, MPI.COMM_WORLD)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.save_every < 0 or (args.save_every and not args.checkpoint):
+        parser.error("--save-every takes a number of steps >= 0 and needs --checkpoint")
+    if args.checkpoint:  # until the end: a signal during the set-up rides in the first
+        keep_stop_signals()  # heartbeat; one during the final save or report is harmless
+    return run(args, MPI.COMM_WORLD)
 
 
 def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
@@ -195,55 +243,76 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
     except ImportError:
         raise SystemExit(MISSING_SKLEARN) from None
     xp = use_gpu(comm) if args.device == "cuda" else np
-    mine = shard(len(y_train), comm.rank, comm.size, args.skew)
+    sampler = Sampler(len(y_train), comm.rank, comm.size, batch_size=args.batch_size,
+                      seed=args.seed, skew=args.skew)  # the order: f(seed, epoch, rank)
     params = [xp.asarray(p) for p in init_mlp(x_train.shape[1], args.hidden, 10, args.seed)]
     dp = DataParallel(params, comm=comm)
+    # in the Join, so that a joined rank steps too: every rank's parameters are current at a
+    # periodic save (an update written after dp.step() in the loop would skip joined ranks)
+    opt = SGD(params, dp.grads, lr=args.lr)
     header(comm, args, len(y_train), len(y_test),
            f"; on {dp.join_device}" if args.device == "cuda" else "")
-    sizes = shard_sizes(len(y_train), comm.size, args.skew)
-    per_epoch = math.ceil(max(sizes) / args.batch_size)  # iterations: the longest shard's
-    first, skip, carried = 1, 0, np.zeros(3)
-    resumed = checkpoint.load(args.checkpoint, params, comm=comm) if args.checkpoint else None
+    first, tally = 1, Tally(len(y_train))
+    config = run_config(args)
+    resumed = (checkpoint.load(args.checkpoint, params, comm=comm, config=config, resize=True)
+               if args.checkpoint else None)
     if resumed is not None:
-        first, skip = resumed.epoch, resumed.cursor
-        carried = resumed.extra["totals"] if comm.rank == 0 else carried
-        if comm.rank == 0:
+        first = resumed.epoch
+        if first <= args.epochs:
+            sampler.resume(first, resumed.cursors, resumed.extra.get("sampler"))
+        if comm.rank == 0:  # the epoch's totals so far, summed over the ranks that saved
+            tally = Tally(len(y_train), resumed.extra)
             where = ("training was complete" if first > args.epochs else
                      f"epoch {first}, step {resumed.step} (batches done by rank: "
                      f"{list(resumed.cursors)})")
-            print(f"resumed from {resumed.path}: {where}", flush=True)
+            size = ("" if resumed.world_size == comm.size else
+                    f"; saved at {resumed.world_size} ranks, the rest of the epoch re-split")
+            print(f"resumed from {resumed.path}: {where}{size}", flush=True)
 
     start = time.perf_counter()
     for epoch in range(first, args.epochs + 1):
-        rng = np.random.default_rng([args.seed, epoch, comm.rank])  # order: f(seed, epoch)
-        done = skip if epoch == first else 0  # batches of this epoch consumed: the cursor
-        totals = carried.copy() if epoch == first else np.zeros(3)  # loss, correct, samples
-        with Join([dp], divide_by_initial_world_size=args.divide == "world") as join:
-            for idx in batches(mine, args.batch_size, rng)[done:]:
+        sampler.set_epoch(epoch)  # a resumed epoch goes on from the cursors
+        tally = tally if epoch == first else Tally(len(y_train))
+        step0 = (epoch - 1) * sampler.max_batches()  # steps before this epoch (approximately,
+        # after a resize: the step only numbers the saves)
+
+        def save(epoch: int = epoch, step0: int = step0) -> None:  # the Join's on_save
+            checkpoint.save(args.checkpoint, params, step=step0 + join.iterations, epoch=epoch,
+                            cursor=sampler.cursor, comm=comm, config=config,
+                            extra={"sampler": sampler.state(),
+                                   **tally.summed(comm)})  # noqa: B023  (this epoch's)
+
+        with Join([dp, opt], divide_by_initial_world_size=args.divide == "world",
+                  on_save=save if args.save_every else None) as join:
+            for idx in sampler:
                 if join.stopped:  # every rank leaves at this same iteration
                     break
                 with dp.step():
                     x, y = xp.asarray(x_train[idx]), xp.asarray(y_train[idx])
                     loss, correct = backward(params, x, y, dp)
-                for p, g in zip(params, dp.grads):
-                    p -= args.lr * g
-                totals += (loss, correct, len(idx))
-                done += 1
-        totals = comm.allreduce(totals)  # outside the Join: plain MPI is fine
+                opt.step()
+                tally.add(idx, loss, correct)
+                if args.save_every and (step0 + sampler.cursor + 1) % args.save_every == 0:
+                    request_save(f"every {args.save_every} steps")  # every active rank asks
+        summed = tally.summed(comm)
+        totals = summed["totals"]
         if join.stopped:
-            step = (epoch - 1) * per_epoch + comm.allreduce(done, op=MPI.MAX)
+            step = step0 + comm.allreduce(sampler.cursor, op=MPI.MAX)
             saved = checkpoint.save(args.checkpoint, params, step=step, epoch=epoch,
-                                    cursor=done, extra={"totals": totals}, comm=comm)
+                                    cursor=sampler.cursor, comm=comm, config=config,
+                                    extra={"sampler": sampler.state(), **summed})
             if comm.rank == 0:
                 print(f"stopped by {join.stop_reason} at epoch {epoch}, step {step}; checkpoint "
                       f"{saved.path} written ({saved.nbytes / 1024:.0f} KiB in "
                       f"{saved.seconds * 1e3:.1f} ms); run the same command to resume",
                       flush=True)
             return STOPPED
+        if resumed is not None and epoch == first and not once(comm, epoch, summed["seen"]):
+            return 1
         epoch_done(comm, epoch, args.epochs, totals)
     if args.checkpoint and first <= args.epochs:  # so that running it again only reports
-        checkpoint.save(args.checkpoint, params, step=args.epochs * per_epoch,
-                        epoch=args.epochs + 1, extra={"totals": np.zeros(3)}, comm=comm)
+        checkpoint.save(args.checkpoint, params, step=args.epochs * sampler.max_batches(),
+                        epoch=args.epochs + 1, comm=comm, config=config)
     elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
     hits = forward(params, xp.asarray(x_test))[1].argmax(axis=1) == xp.asarray(y_test)
     return report(comm, args, params, float(hits.mean()), elapsed, len(y_test))

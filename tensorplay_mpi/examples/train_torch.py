@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     parser.set_defaults(lr=LR)
     args = parser.parse_args(argv)
+    if args.save_every:
+        parser.error("--save-every: periodic saves are the NumPy demo's (examples.train); "
+                     "this demo saves when it is stopped (--checkpoint)")
     if args.device != "cpu":
         raise SystemExit(NO_CUDA)
     try:

@@ -250,6 +250,11 @@ class Optimizer(Joinable):
 
     # -- Joinable ------------------------------------------------------------------------------
 
+    def replicated_arrays(self) -> list[Any]:
+        """The parameters, the state and the step count: the same on every rank."""
+        return [*self.params, *(a for s in self.state for a in s.values()),
+                np.array([self.steps])]
+
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return _OptimizerHook(self)
 

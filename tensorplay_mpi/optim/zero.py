@@ -256,6 +256,10 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
 
     # -- Joinable ------------------------------------------------------------------------------
 
+    def replicated_arrays(self) -> list[Any]:
+        """The parameters (the state is sharded: each rank's own)."""
+        return list(self.params)
+
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return _ZeroHook(self)
 

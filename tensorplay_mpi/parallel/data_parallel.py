@@ -669,6 +669,10 @@ class DataParallel(GuardedJoinable):
         if self._update is None:  # with update=, the optimizer steps there, not in the Join
             self.grads.check_optimizer(self.join_context)
 
+    def replicated_arrays(self) -> list[Any]:
+        """The parameters and buffers: the same on every rank."""
+        return [*self.params, *self.buffers]
+
     def join_hook(self, *, divide_by_initial_world_size: bool = True,
                   **kwargs: Any) -> JoinHook:
         """The hook that shadows steps on a joined rank.

@@ -15,6 +15,9 @@ MODE (rank 1 misbehaves):
   continue    rank 1 raises in a step; the others catch the PeerFailureError and leave the loop
   own         a blocking collective of the program's own inside a Join with uneven inputs (run
               with a small TENSORPLAY_MPI_TIMEOUT)
+  save_inside checkpoint.save (to the directory in argv[2]) inside a Join, outside its
+              on_save, while rank 0, without inputs, has joined: a RuntimeError before any
+              collective on the others, a PeerFailureError on rank 0
 
 Every rank that catches an exception prints ``RESULT rank=R ExceptionType: message`` and raises
 it again; ranks that go on print ``WENT ON rank=R`` and sleep far longer than any test waits.
@@ -29,7 +32,7 @@ from mpi4py import MPI
 
 from report import report
 
-from tensorplay_mpi import DataParallel, Join, JoinHook, PeerFailureError
+from tensorplay_mpi import DataParallel, Join, JoinHook, PeerFailureError, checkpoint
 from tensorplay_mpi.settings import settings
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
@@ -147,6 +150,14 @@ try:
                 with dp.step():
                     dp.grads[0] = np.ones(4)
                 comm.allreduce(1.0)  # joined ranks cannot shadow this one
+    elif mode == "save_inside":
+        params = [np.zeros(4)]
+        dp = DataParallel(params, comm=comm)
+        with Join([dp]):
+            for _ in range(0 if world.rank == 0 else 2):
+                with dp.step():
+                    dp.grads[0] = np.ones(4)
+                checkpoint.save(sys.argv[2], params, comm=comm)
 except Exception as exc:
     print(f"RESULT rank={world.rank} {type(exc).__name__}: {exc}", flush=True)
     time.sleep(0.5)  # let mpiexec forward the RESULT line before the abort ends the job

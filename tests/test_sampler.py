@@ -1,0 +1,82 @@
+"""data.Sampler without MPI: the demo's order at one world size, and every sample of an epoch
+exactly once across resumes at other world sizes (the ranks simulated)."""
+
+import collections
+
+import numpy as np
+import pytest
+
+from tensorplay_mpi.data import Sampler, batches, shard
+
+N, BATCH = 101, 4
+
+
+def samplers(size, **kwargs):
+    return [Sampler(N, r, size, batch_size=BATCH, seed=3, skew=1.0, **kwargs)
+            for r in range(size)]
+
+
+def consume(ranks, counts, used):
+    """Rank r consumes counts[r] batches (or all when None), logging the sample ids."""
+    for sampler, count in zip(ranks, counts):
+        for k, batch in enumerate(sampler):
+            if count is not None and k == count:
+                break  # the loop's break: this batch is not consumed
+            used.extend(batch.tolist())
+
+
+def test_the_order_at_one_world_size_is_the_shards_permuted_per_epoch_and_rank():
+    for sampler in samplers(3):
+        sampler.set_epoch(2)
+        rng = np.random.default_rng([3, 2, sampler.rank])
+        expected = batches(shard(N, sampler.rank, 3, 1.0), BATCH, rng)
+        assert [b.tolist() for b in sampler.batches()] == [b.tolist() for b in expected]
+
+
+@pytest.mark.parametrize("sizes", [(2, 3), (3, 2), (4, 2), (1, 4), (3, 2, 4), (4, 4)])
+def test_every_sample_of_an_interrupted_epoch_is_used_exactly_once(sizes):
+    used = []
+    ranks = samplers(sizes[0])
+    for size in sizes[1:]:
+        for s in ranks:
+            s.set_epoch(2)
+        consume(ranks, [s.rank % 3 + 1 for s in ranks], used)  # uneven cursors
+        cursors, state = [s.cursor for s in ranks], ranks[0].state()
+        ranks = samplers(size)
+        for s in ranks:
+            s.resume(2, cursors, state)
+    consume(ranks, [None] * len(ranks), used)
+    assert sorted(used) == list(range(N)), collections.Counter(used).most_common(3)
+    for s in ranks:  # the next epoch: the new world size's own split
+        s.set_epoch(3)
+        fresh = Sampler(N, s.rank, s.size, batch_size=BATCH, seed=3, skew=1.0)
+        fresh.set_epoch(3)
+        assert s.cursor == 0
+        assert [b.tolist() for b in s.batches()] == [b.tolist() for b in fresh.batches()]
+
+
+def test_a_resume_at_the_same_size_goes_on_with_each_rank_s_own_shard():
+    ranks = samplers(3)
+    expected = [s.batches() for s in ranks]
+    consume(ranks, [1, 2, 0], [])
+    cursors, state = [s.cursor for s in ranks], ranks[0].state()
+    for s, mine in zip(samplers(3), expected):
+        s.resume(1, cursors, state)
+        assert s.cursor == cursors[s.rank]
+        assert [b.tolist() for b in s] == [b.tolist() for b in mine[cursors[s.rank]:]]
+
+
+def test_data_that_cannot_be_re_split_is_refused_with_the_reason():
+    ranks = samplers(3)
+    consume(ranks, [1, 1, 1], [])
+    cursors, state = [s.cursor for s in ranks], ranks[0].state()
+    with pytest.raises(ValueError, match="batches of 4, this one 101 in batches of 8"):
+        Sampler(N, 0, 2, batch_size=8).resume(1, cursors, state)
+    with pytest.raises(ValueError, match="holds no sampler state .* 3 ranks' cursors cannot be "
+                                         "re-split over 2 ranks"):
+        Sampler(N, 0, 2, batch_size=BATCH).resume(1, cursors, None)
+    with pytest.raises(ValueError, match="cursor 99 is beyond"):
+        samplers(2)[0].resume(1, [99, 1, 1], state)
+    with pytest.raises(ValueError, match="of epoch 1 at 3 ranks, the checkpoint's cursors of "
+                                         "epoch 2"):
+        samplers(2)[0].resume(2, cursors, state)
