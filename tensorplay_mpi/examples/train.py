@@ -38,6 +38,7 @@ from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join, checkpoint, stop_on_signals
 from tensorplay_mpi.data import batches, shard, shard_sizes
+from tensorplay_mpi.examples.evaluation import validate
 
 STOPPED = 75
 """The exit status of a stopped job (EX_TEMPFAIL of sysexits.h): its checkpoint is written,
@@ -150,13 +151,14 @@ def header(comm: MPI.Intracomm, args: argparse.Namespace, trained: int, tested: 
               f"{tested} held out; averaging over the {args.divide} size{note}", flush=True)
 
 
-def epoch_done(comm: MPI.Intracomm, epoch: int, epochs: int, totals: np.ndarray) -> None:
+def epoch_done(comm: MPI.Intracomm, epoch: int, epochs: int, totals: np.ndarray,
+               validation: str = "") -> None:
     """The progress line of an epoch, on rank 0, from the (loss sum, correct, samples) summed
-    over ranks."""
+    over ranks, and the `validation` line of examples.evaluation."""
     loss, correct, samples = totals
     if comm.rank == 0:
         progress(epoch, epochs,
-                 f"loss {loss / samples:.4f}  train accuracy {correct / samples:.4f}")
+                 f"loss {loss / samples:.4f}  train accuracy {correct / samples:.4f}  {validation}")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -240,7 +242,9 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                       f"{saved.seconds * 1e3:.1f} ms); run the same command to resume",
                       flush=True)
             return STOPPED
-        epoch_done(comm, epoch, args.epochs, totals)
+        epoch_done(comm, epoch, args.epochs, totals, validate(
+            comm, lambda x: forward(params, xp.asarray(x))[1], x_test, y_test, args.batch_size,
+            args.skew))
     if args.checkpoint and first <= args.epochs:  # so that running it again only reports
         checkpoint.save(args.checkpoint, params, step=args.epochs * per_epoch,
                         epoch=args.epochs + 1, extra={"totals": np.zeros(3)}, comm=comm)

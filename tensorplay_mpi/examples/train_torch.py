@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 from tensorplay_mpi import SGD, DataParallel, Join
 from tensorplay_mpi.data import batches, shard
+from tensorplay_mpi.examples.evaluation import validate
 
 from .train import MISSING_SKLEARN, epoch_done, header, init_mlp, load_digits_split, \
     make_parser, report
@@ -84,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
                     loss.backward()
                 opt.step()
                 totals += (loss.item() * len(idx), int((logits.argmax(1) == y).sum()), len(idx))
-        epoch_done(comm, epoch, args.epochs, comm.allreduce(totals))
+        with torch.no_grad():
+            validation = validate(comm, lambda x: model(torch.from_numpy(x)), x_test, y_test,
+                                  args.batch_size, args.skew, torch_metrics=True)
+        epoch_done(comm, epoch, args.epochs, comm.allreduce(totals), validation)
     elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
     with torch.no_grad():
