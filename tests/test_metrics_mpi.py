@@ -171,3 +171,12 @@ def test_numpy_confusion_matrix_and_running_loss_inside_and_after_a_join(comm, s
 def test_reduce_states_refuses_complex_states_on_every_rank(comm):
     with raises_everywhere(TypeError, match="complex128"):
         reduce_states({"z": np.ones(2, complex)}, comm)
+
+
+@pytest.mark.mpi
+def test_gather_all_tensors_refuses_what_mpi_cannot_carry_on_every_rank(comm):
+    torch = pytest.importorskip("torch")
+    with raises_everywhere(TypeError, match="bfloat16"):
+        gather_all_tensors(torch.ones(2, dtype=torch.bfloat16), comm)
+    with raises_everywhere(TypeError, match="group"):
+        gather_all_tensors(torch.ones(2), group="world")
