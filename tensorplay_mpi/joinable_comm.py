@@ -470,6 +470,11 @@ class JoinableComm(GuardedJoinable):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return _FollowAnnouncements(self)
 
+    def __deepcopy__(self, memo: dict) -> "JoinableComm":
+        """The same object: a copy of what holds it (a model, a torchmetrics metric) shares
+        the communicator and its iteration, as it shares ``MPI.COMM_WORLD``."""
+        return self
+
 
 def _output(x: Any, out: Any, given: Any) -> tuple[Any, Any]:
     """The array that receives the result, checked, and the result to return: the caller's

@@ -180,3 +180,19 @@ def test_gather_all_tensors_refuses_what_mpi_cannot_carry_on_every_rank(comm):
         gather_all_tensors(torch.ones(2, dtype=torch.bfloat16), comm)
     with raises_everywhere(TypeError, match="group"):
         gather_all_tensors(torch.ones(2), group="world")
+
+
+@pytest.mark.mpi
+def test_a_copied_metric_or_model_shares_the_joinable_comm(comm):
+    import copy
+
+    pytest.importorskip("torch")
+    pytest.importorskip("torchmetrics")
+    from torchmetrics import MeanSquaredError
+
+    from tensorplay_mpi.sync_batchnorm import SyncBatchNorm
+
+    jc = JoinableComm(comm)
+    metric = MeanSquaredError(**sync_options(jc)).clone()
+    layer = copy.deepcopy(SyncBatchNorm(2, process_group=jc))
+    assert_all(metric.process_group is jc and layer.process_group is jc)
