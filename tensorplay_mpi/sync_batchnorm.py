@@ -17,9 +17,8 @@ channel raises ``ValueError`` on every active rank, as torch's BatchNorm does fo
 
 DataParallel cannot share a Join with these layers: its main hook shadows the gradient buckets
 first, while an active rank's forward pass issues the statistics before them, so the two would
-be matched out of order.  A training forward pass inside a Join that holds a DataParallel
-raises ``RuntimeError`` before any collective (ranks that have joined then raise
-:class:`~tensorplay_mpi.errors.PeerFailureError`, also a ``RuntimeError``).  Average the
+be matched out of order.  Making a Join that holds both a DataParallel and the JoinableComm of
+a SyncBatchNorm raises ``RuntimeError`` on every rank, before anything starts.  Average the
 gradients through the same JoinableComm instead (docs: "Evaluation on uneven shards").
 """
 
@@ -52,8 +51,8 @@ def _by_channel(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
 
 
-def _check_no_data_parallel(group: Any) -> None:
-    join = group.join_context if isinstance(group, JoinableComm) else None
+def _check_no_data_parallel(join: Any) -> None:
+    """Refuse a Join that holds a DataParallel (when it is made, and at a forward pass)."""
     if join is not None and join.enabled and any(
             type(j).__name__ == "DataParallel" for j in join.joinables):
         raise RuntimeError(
@@ -139,7 +138,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         In training, when every rank together has one value per channel; for an input of
         fewer than 2 dimensions.
     RuntimeError
-        In a Join that holds a DataParallel (see the module's notes).
+        When a Join is made with `process_group` and a DataParallel (see the module's notes).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
@@ -148,6 +147,8 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                  device: Any = None, dtype: Any = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.process_group = _group(process_group)
+        if isinstance(self.process_group, JoinableComm):  # checked when a Join is made
+            self.process_group._join_checks = (_check_no_data_parallel,)  # type: ignore[attr-defined]
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -165,7 +166,8 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             return torch.nn.functional.batch_norm(
                 input, self.running_mean, self.running_var, self.weight, self.bias,
                 self.running_mean is None, 0.0, self.eps)
-        _check_no_data_parallel(self.process_group)
+        if isinstance(self.process_group, JoinableComm):
+            _check_no_data_parallel(self.process_group.join_context)
         if _size(self.process_group) == 1:
             return torch.nn.functional.batch_norm(
                 input, self.running_mean if tracking else None,

@@ -125,17 +125,23 @@ def test_a_global_batch_of_one_sample_raises_on_every_rank(comm):
         layer(x)
 
 
-@pytest.mark.mpi(min_size=2)
-def test_data_parallel_in_the_same_join_raises_runtime_error_on_every_rank(comm):
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["rank0_zero", "even"])
+def test_a_join_with_data_parallel_is_refused_on_every_rank_before_anything_starts(comm,
+                                                                                   pattern):
     jc = JoinableComm(comm)
     model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
     dp = DataParallel(model.parameters(), comm=comm)
     with raises_everywhere(RuntimeError, match="DataParallel"):
         with Join([dp, jc]):
-            for t in range(2):
+            for t in range(inputs_of(pattern, comm.size)[comm.rank]):
                 with dp.step():
                     jc.begin_iteration()
                     sse(model, *batch(comm.rank, t, 3)).backward()
+    with Join([jc]):  # nothing started, nothing pending: the communicator works on
+        for t in range(1 + comm.rank):
+            jc.begin_iteration()
+            sse(model, *batch(comm.rank, t, 3)).backward()
 
 
 def test_convert_shares_parameters_and_state_and_keeps_the_rest():
