@@ -153,6 +153,8 @@ bench: venv  ## every benchmark: JSON and a plot in benchmarks/results/
 	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_jc.py \
 	    --out benchmarks/results/jc-$$n-ranks.json || exit 1; \
 	done
+	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_metrics.py \
+	  --out benchmarks/results/metrics-2-ranks.json
 	$(MAKE) --no-print-directory bench-threads
 
 # BLAS threads: a DataParallel step in the default environment against OPENBLAS_NUM_THREADS=1,

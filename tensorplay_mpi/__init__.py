@@ -13,6 +13,14 @@ from .stopping import (clear_save, clear_stop, keep_stop_signals, request_save, 
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``SyncBatchNorm`` on first use: ``import tensorplay_mpi`` does not import torch."""
+    if name == "SyncBatchNorm":
+        from .sync_batchnorm import SyncBatchNorm
+        return SyncBatchNorm
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "Join", "Joinable", "JoinHook", "Work", "DataParallel", "JoinableComm",
     "SGD", "Adam", "AdamW", "ZeroRedundancyOptimizer",

@@ -470,6 +470,19 @@ class JoinableComm(GuardedJoinable):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return _FollowAnnouncements(self)
 
+    def _made_into(self, join: Join) -> None:
+        """`join` was made with this JoinableComm: the checks of the layers that issue their
+        collectives through it (SyncBatchNorm's) refuse a Join they cannot run in, on every
+        rank before anything starts."""
+        for check in getattr(self, "_join_checks", ()):
+            check(join)
+        super()._made_into(join)
+
+    def __deepcopy__(self, memo: dict) -> "JoinableComm":
+        """The same object: a copy of what holds it (a model, a torchmetrics metric) shares
+        the communicator and its iteration, as it shares ``MPI.COMM_WORLD``."""
+        return self
+
 
 def _output(x: Any, out: Any, given: Any) -> tuple[Any, Any]:
     """The array that receives the result, checked, and the result to return: the caller's

@@ -39,6 +39,7 @@ from mpi4py import MPI
 from tensorplay_mpi import SGD, DataParallel, Join, checkpoint, keep_stop_signals, request_save
 from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.data import Sampler, shard_sizes
+from tensorplay_mpi.examples.evaluation import validate
 
 STOPPED = 75
 """The exit status of a stopped job (EX_TEMPFAIL of sysexits.h): its checkpoint is written,
@@ -151,13 +152,14 @@ def header(comm: MPI.Intracomm, args: argparse.Namespace, trained: int, tested: 
               f"{tested} held out; averaging over the {args.divide} size{note}", flush=True)
 
 
-def epoch_done(comm: MPI.Intracomm, epoch: int, epochs: int, totals: np.ndarray) -> None:
+def epoch_done(comm: MPI.Intracomm, epoch: int, epochs: int, totals: np.ndarray,
+               validation: str = "") -> None:
     """The progress line of an epoch, on rank 0, from the (loss sum, correct, samples) summed
-    over ranks."""
+    over ranks, and the `validation` line of examples.evaluation."""
     loss, correct, samples = totals
     if comm.rank == 0:
         progress(epoch, epochs,
-                 f"loss {loss / samples:.4f}  train accuracy {correct / samples:.4f}")
+                 f"loss {loss / samples:.4f}  train accuracy {correct / samples:.4f}  {validation}")
 
 
 class Tally:
@@ -309,7 +311,9 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
             return STOPPED
         if resumed is not None and epoch == first and not once(comm, epoch, summed["seen"]):
             return 1
-        epoch_done(comm, epoch, args.epochs, totals)
+        epoch_done(comm, epoch, args.epochs, totals, validate(
+            comm, lambda x: forward(params, xp.asarray(x))[1], x_test, y_test, args.batch_size,
+            args.skew))
     if args.checkpoint and first <= args.epochs:  # so that running it again only reports
         checkpoint.save(args.checkpoint, params, step=args.epochs * sampler.max_batches(),
                         epoch=args.epochs + 1, comm=comm, config=config)

@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join, checkpoint, stop_on_signals, torch_state
 from tensorplay_mpi.data import batches, shard, shard_sizes
+from tensorplay_mpi.examples.evaluation import validate
 
 from .train import MISSING_SKLEARN, STOPPED, epoch_done, header, init_mlp, load_digits_split, \
     make_parser, report
@@ -159,7 +160,10 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                       f"{saved.seconds * 1e3:.1f} ms); run the same command to resume",
                       flush=True)
             return STOPPED
-        epoch_done(comm, epoch, args.epochs, totals)
+        with torch.no_grad():
+            validation = validate(comm, lambda x: model(torch.from_numpy(x)), x_test, y_test,
+                                  args.batch_size, args.skew, torch_metrics=True)
+        epoch_done(comm, epoch, args.epochs, totals, validation)
     if args.checkpoint and first <= args.epochs:  # so that running it again only reports
         save(args.epochs * per_epoch, args.epochs + 1, 0, np.zeros(3))
     elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)

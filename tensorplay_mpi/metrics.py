@@ -1,0 +1,274 @@
+"""Evaluation metrics over uneven shards: torchmetrics synced over MPI, and NumPy metric states.
+
+Two ways to evaluate a validation set split unevenly over the ranks, each sample counted once:
+
+- **torchmetrics**: :func:`gather_all_tensors` has the signature of torchmetrics'
+  ``dist_sync_fn`` and :func:`distributed_available` that of its ``distributed_available_fn``;
+  ``Metric(**sync_options(jc))`` passes both, with ``process_group=jc``.  The metric then syncs
+  over MPI without ``torch.distributed``.  Inside a Join, pass the :class:`JoinableComm` that
+  is in the Join: a per-step sync (``dist_sync_on_step=True``) is then shadowed by the ranks
+  that have joined, and gathers the batches of the active ranks only.
+- **NumPy**: keep running states (sums, counts, a :func:`confusion_matrix`, the sum of the loss
+  and the number of samples for a running mean) and add them over the ranks with
+  :func:`reduce_states`, inside a Join (through its JoinableComm) or after it.
+
+Wire schedule of :func:`gather_all_tensors`: each rank packs one header (its rank, the dtype
+code, the number of dimensions and the shape, ``int64[11]``) and its data into one byte row,
+padded to 8 bytes; one allgather of the rows (an ``Iallgather`` of the row counts and an
+``Iallgatherv``; announced first when ranks have joined) gives every rank the others'
+tensors.  Ranks that have joined contribute no row: the list holds the active ranks' tensors.
+Integer states thus travel exactly; :func:`reduce_states` sums integers in int64 and floats in
+float64, two allreduces started together.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Mapping
+
+import numpy as np
+from mpi4py import MPI
+
+from .comm import check_comm, default_comm, default_timeout, iallgather, iallgatherv, iallreduce
+from .joinable_comm import JoinableComm
+from .tensors import as_array, is_tensor
+from .work import Work
+
+__all__ = ["gather_all_tensors", "distributed_available", "sync_options", "reduce_states",
+           "confusion_matrix"]
+
+_DTYPES = tuple(np.dtype(t) for t in (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64, np.complex64, np.complex128))
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_MAX_DIMS = 8
+_HEADER = 3 + _MAX_DIMS  # rank, dtype code, ndim, shape
+_HEADER_BYTES = 8 * _HEADER
+
+
+def distributed_available() -> bool:
+    """Whether MPI runs with more than one rank in the default communicator.
+
+    torchmetrics' ``distributed_available_fn``: a metric syncs only when this is true.
+    """
+    return MPI.Is_initialized() and not MPI.Is_finalized() and default_comm().Get_size() > 1
+
+
+def _group(group: Any) -> JoinableComm | MPI.Intracomm:
+    if isinstance(group, JoinableComm):
+        return group
+    return check_comm(default_comm() if group is None else group, "group")
+
+
+def _size(group: JoinableComm | MPI.Intracomm) -> int:
+    return group.size if isinstance(group, JoinableComm) else group.Get_size()
+
+
+def sync_options(group: Any = None) -> dict[str, Any]:
+    """The keyword arguments that make a torchmetrics ``Metric`` sync through `group`.
+
+    Parameters
+    ----------
+    group : JoinableComm or mpi4py.MPI.Intracomm, optional
+        Inside a Join, the :class:`JoinableComm` that is in the Join; else any communicator
+        (default ``MPI.COMM_WORLD``).
+
+    Returns
+    -------
+    dict
+        ``dist_sync_fn``, ``distributed_available_fn`` (true when `group` has more than one
+        rank) and ``process_group``: ``MulticlassAccuracy(num_classes=10, **sync_options(jc))``.
+    """
+    checked = _group(group)
+    size = _size(checked)
+    return {"dist_sync_fn": gather_all_tensors, "distributed_available_fn": lambda: size > 1,
+            "process_group": checked}
+
+
+def _packed(rank: int, data: np.ndarray) -> np.ndarray:
+    """This rank's byte row: the header, then the data padded to a multiple of 8 bytes."""
+    if data.ndim > _MAX_DIMS:
+        raise ValueError(f"gather_all_tensors takes tensors of up to {_MAX_DIMS} dimensions, "
+                         f"got shape {data.shape}")
+    code = _DTYPE_CODES.get(data.dtype)
+    if code is None:
+        raise TypeError(f"gather_all_tensors cannot send dtype {data.dtype}")
+    header = np.zeros(_HEADER, np.int64)
+    header[:3] = rank, code, data.ndim
+    header[3:3 + data.ndim] = data.shape
+    row = np.zeros(_HEADER_BYTES + 8 * math.ceil(data.nbytes / 8), np.uint8)
+    row[:_HEADER_BYTES] = header.view(np.uint8)
+    row[_HEADER_BYTES:_HEADER_BYTES + data.nbytes] = np.ascontiguousarray(data).reshape(
+        -1).view(np.uint8)
+    return row
+
+
+def _unpacked(rows: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """The (rank, array) pairs of gathered byte rows, in rank order (views of `rows`)."""
+    pairs, offset = [], 0
+    while offset < rows.size:
+        header = rows[offset:offset + _HEADER_BYTES].view(np.int64)
+        rank, code, ndim = (int(v) for v in header[:3])
+        shape = tuple(int(v) for v in header[3:3 + ndim])
+        dtype = _DTYPES[code]
+        nbytes = math.prod(shape) * dtype.itemsize
+        start = offset + _HEADER_BYTES
+        pairs.append((rank, rows[start:start + nbytes].view(dtype).reshape(shape)))
+        offset = start + 8 * math.ceil(nbytes / 8)
+    return pairs
+
+
+def _allgather_bytes(comm: MPI.Intracomm, row: np.ndarray) -> np.ndarray:
+    """Every rank's byte row over a plain communicator, concatenated in rank order."""
+    timeout = default_timeout()
+    counts = np.empty(comm.Get_size(), np.int64)
+    work = iallgather(comm, np.array([row.size], np.int64), counts, "metric row sizes")
+    work.wait_or_abort(timeout)
+    out = np.empty(int(counts.sum()), np.uint8)
+    work = iallgatherv(comm, row, out, counts.tolist(), "metric rows")
+    work.wait_or_abort(timeout)
+    return out
+
+
+def gather_all_tensors(result: Any, group: Any = None) -> list[Any]:
+    """Every rank's `result`, in rank order: torchmetrics' ``dist_sync_fn`` over MPI.
+
+    Collective over `group`: every rank must call it (inside a Join, every active rank, once
+    per :meth:`JoinableComm.begin_iteration` in which the others call it).  The tensors may
+    differ in shape (the first dimension, as torchmetrics' cat states, or any other) and are
+    sent exactly, through the host; each comes back on `result`'s device, and this rank's
+    entry is `result` itself (its autograd graph kept, as torchmetrics does).
+
+    Parameters
+    ----------
+    result : torch.Tensor or numpy.ndarray
+        This rank's tensor (a NumPy array gives a list of NumPy arrays).
+    group : JoinableComm or mpi4py.MPI.Intracomm, optional
+        Inside a Join, the :class:`JoinableComm` that is in the Join: ranks that have joined
+        shadow the gather and contribute nothing, so the list holds the active ranks'
+        tensors.  Outside a Join any communicator; default ``MPI.COMM_WORLD``.
+
+    Raises
+    ------
+    TypeError
+        For a dtype NumPy and MPI cannot carry (bfloat16, say), or a `group` of another kind.
+    ValueError
+        For a tensor of more than 8 dimensions.
+    """
+    checked = _group(group)
+    torch = sys.modules.get("torch") if is_tensor(result) else None
+    host = result.detach().cpu().contiguous() if torch is not None else result
+    data = np.asarray(as_array(host, "result"))
+    if isinstance(checked, JoinableComm):
+        row = _packed(checked.rank, data)
+        rows = checked.allgather(row)
+        rank = checked.rank
+    else:
+        rank = checked.Get_rank()
+        rows = _allgather_bytes(checked, _packed(rank, data))
+    gathered: list[Any] = []
+    for owner, array in _unpacked(rows):
+        if owner == rank:
+            gathered.append(result)
+        elif torch is not None:
+            gathered.append(torch.from_numpy(array.copy()).to(result.device))
+        else:
+            gathered.append(array.copy())
+    return gathered
+
+
+def _start_sum(group: JoinableComm | MPI.Intracomm, values: np.ndarray, what: str) -> Work:
+    if isinstance(group, JoinableComm):
+        return group.iallreduce(values, MPI.SUM, out=values)
+    return iallreduce(group, MPI.IN_PLACE, values, MPI.SUM, what)
+
+
+def reduce_states(states: Mapping[str, Any], comm: Any = None) -> dict[str, Any]:
+    """The sum over ranks of each running metric state: counts exactly, floats in float64.
+
+    Collective over `comm`: every rank must call it with the same names, shapes and kinds
+    (inside a Join, every active rank in the same iteration).  Integer and bool states are
+    summed as int64 (exact), floating ones as float64, in two allreduces started together.
+
+    Parameters
+    ----------
+    states : mapping of str to array or number
+        This rank's states: sums, counts, a :func:`confusion_matrix`, the sum of the loss and
+        the number of samples (their quotient after the reduction is the running mean).
+    comm : JoinableComm or mpi4py.MPI.Intracomm, optional
+        Inside a Join, the :class:`JoinableComm` in the Join (joined ranks add zeros);
+        outside one, any communicator (default ``MPI.COMM_WORLD``).
+
+    Returns
+    -------
+    dict
+        Each name's global sum, shaped as given (a 0-d state as a NumPy scalar).
+
+    Raises
+    ------
+    TypeError
+        For a state that is not real numbers (complex, objects).
+
+    Examples
+    --------
+    ::
+
+        totals = reduce_states({"loss": loss_sum, "count": n, "cm": cm}, jc)
+        mean_loss = totals["loss"] / totals["count"]
+    """
+    group = _group(comm)
+    arrays = {name: np.asarray(as_array(value, name)) for name, value in states.items()}
+    for name, array in arrays.items():
+        if array.dtype.kind not in "biuf":
+            raise TypeError(f"reduce_states sums integer, bool and floating states; {name!r} "
+                            f"has dtype {array.dtype}")
+    names = sorted(arrays)
+    exact = [name for name in names if arrays[name].dtype.kind in "biu"]
+    floating = [name for name in names if arrays[name].dtype.kind == "f"]
+    buffers, works = [], []
+    for chosen, dtype in ((exact, np.int64), (floating, np.float64)):
+        flat = np.concatenate([arrays[n].astype(dtype).reshape(-1) for n in chosen]) \
+            if chosen else np.zeros(0, dtype)
+        buffers.append(flat)
+        if chosen:  # every rank passes the same names: the same allreduces
+            works.append(_start_sum(group, flat, f"reduce_states ({np.dtype(dtype).name})"))
+    timeout = group.timeout if isinstance(group, JoinableComm) else default_timeout()
+    for work in works:
+        work.wait_or_abort(timeout)
+    reduced: dict[str, Any] = {}
+    for chosen, flat in zip((exact, floating), buffers):
+        offset = 0
+        for name in chosen:
+            size = arrays[name].size
+            value = flat[offset:offset + size].reshape(arrays[name].shape)
+            reduced[name] = value[()] if value.ndim == 0 else value
+            offset += size
+    return {name: reduced[name] for name in states}
+
+
+def confusion_matrix(y_true: Any, y_pred: Any, num_classes: int) -> np.ndarray:
+    """This rank's confusion matrix: ``cm[t, p]`` counts samples of class ``t`` predicted ``p``.
+
+    Local (no communication): add it to a running state and sum that with
+    :func:`reduce_states`.  int64, rows the true classes as in scikit-learn.
+
+    Raises
+    ------
+    ValueError
+        If the labels differ in length or lie outside ``[0, num_classes)``.
+    """
+    true = np.asarray(as_array(y_true, "y_true")).reshape(-1)
+    pred = np.asarray(as_array(y_pred, "y_pred")).reshape(-1)
+    if true.size != pred.size:
+        raise ValueError(f"y_true and y_pred differ in length: {true.size} and {pred.size}")
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    for name, labels in (("y_true", true), ("y_pred", pred)):
+        if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+            raise ValueError(f"{name} has labels outside [0, {num_classes}): "
+                             f"{labels.min()}..{labels.max()}")
+    index = true.astype(np.int64) * num_classes + pred.astype(np.int64)
+    return np.bincount(index, minlength=num_classes * num_classes).reshape(
+        num_classes, num_classes)
+

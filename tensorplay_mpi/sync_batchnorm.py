@@ -1,0 +1,207 @@
+"""SyncBatchNorm for torch models over MPI: batch statistics of every active rank's batch.
+
+``tensorplay_mpi.SyncBatchNorm`` (this module, imported on first use: ``import
+tensorplay_mpi`` does not import torch) is ``torch.nn.SyncBatchNorm`` over MPI for CPU
+tensors.  In training mode each forward pass reduces, over the ranks of its group, the
+per-channel sums of the batch and of its squares (float64) and the number of samples (int64),
+two allreduces started together; the backward pass reduces the sums of the output gradient and
+of its product with the centred input (float64).  Normalisation, running statistics and the
+gradients are then those of ``torch.nn.BatchNorm*`` over the concatenated global batch.
+
+In a Join the group is a :class:`~tensorplay_mpi.JoinableComm` that is in the Join
+(``SyncBatchNorm.convert_sync_batchnorm(model, jc)``; ``jc.begin_iteration()`` at the top of
+each iteration): every reduction is one of its operations, so a rank that has joined shadows it
+and contributes zero samples.  Layers with the same group share the JoinableComm's iteration.
+A rank with an empty batch contributes zero samples too; a global batch of one sample per
+channel raises ``ValueError`` on every active rank, as torch's BatchNorm does for one.
+
+DataParallel cannot share a Join with these layers: its main hook shadows the gradient buckets
+first, while an active rank's forward pass issues the statistics before them, so the two would
+be matched out of order.  Making a Join that holds both a DataParallel and the JoinableComm of
+a SyncBatchNorm raises ``RuntimeError`` on every rank, before anything starts.  Average the
+gradients through the same JoinableComm instead (docs: "Evaluation on uneven shards").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .joinable_comm import JoinableComm
+from .metrics import _group, _size, reduce_states
+
+__all__ = ["SyncBatchNorm"]
+
+
+def _sums(group: Any, floats: torch.Tensor, count: int | None = None) -> tuple:
+    """`floats` (float64) summed over the group's ranks, and `count` (int64) when given."""
+    states: dict[str, Any] = {"sums": floats.numpy()}
+    if count is not None:
+        states["count"] = np.int64(count)
+    totals = reduce_states(states, group)
+    return torch.from_numpy(totals["sums"]), (None if count is None else int(totals["count"]))
+
+
+def _by_channel(x: torch.Tensor) -> torch.Tensor:
+    """`x` as ``(N, C, L)`` (an empty batch included)."""
+    return x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
+
+
+def _check_no_data_parallel(join: Any) -> None:
+    """Refuse a Join that holds a DataParallel (when it is made, and at a forward pass)."""
+    if join is not None and join.enabled and any(
+            type(j).__name__ == "DataParallel" for j in join.joinables):
+        raise RuntimeError(
+            "SyncBatchNorm cannot run in a Join that holds a DataParallel: a joined rank "
+            "shadows the gradient buckets before the statistics of the forward pass, out of "
+            "order. Use Join([jc]) and average the gradients through jc.allreduce")
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, running_mean: torch.Tensor | None,
+                running_var: torch.Tensor | None, eps: float, factor: float,
+                group: Any) -> torch.Tensor:
+        channels = x.shape[1]
+        flat = _by_channel(x.detach()).double()
+        local = torch.cat([flat.sum((0, 2)), (flat * flat).sum((0, 2))])
+        totals, count = _sums(group, local, flat.shape[0] * flat.shape[2])
+        if count <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got "
+                             f"{count} over every rank (input size {list(x.shape)} here)")
+        mean = totals[:channels] / count
+        var = (totals[channels:] / count - mean * mean).clamp_(min=0)
+        invstd = (var + eps).rsqrt()
+        if running_mean is not None and running_var is not None:
+            with torch.no_grad():
+                running_mean.mul_(1 - factor).add_((factor * mean).to(running_mean.dtype))
+                running_var.mul_(1 - factor).add_(
+                    (factor * var * count / (count - 1)).to(running_var.dtype))
+        xmu = flat - mean[None, :, None]
+        y = xmu * invstd[None, :, None]
+        if weight is not None:
+            y = y * weight.detach().double()[None, :, None]
+        if bias is not None:
+            y = y + bias.detach().double()[None, :, None]
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.count, ctx.group, ctx.has_bias = count, group, bias is not None
+        return y.to(x.dtype).reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, weight, mean, invstd = ctx.saved_tensors
+        channels = x.shape[1]
+        flat = _by_channel(x).double()
+        dy = grad.reshape(flat.shape).double()
+        xmu = flat - mean[None, :, None]
+        sum_dy, sum_dy_xmu = dy.sum((0, 2)), (dy * xmu).sum((0, 2))
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            totals, _ = _sums(ctx.group, torch.cat([sum_dy, sum_dy_xmu]))
+            mean_dy, mean_dy_xmu = totals[:channels] / ctx.count, totals[channels:] / ctx.count
+            scale = invstd if weight is None else invstd * weight.detach().double()
+            grad_input = (scale[None, :, None] * (
+                dy - mean_dy[None, :, None]
+                - xmu * (invstd * invstd * mean_dy_xmu)[None, :, None])).to(x.dtype).reshape(
+                x.shape)
+        grad_weight = grad_bias = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)  # local: the gradient
+        if ctx.has_bias and ctx.needs_input_grad[2]:  # averaging sums them over the ranks
+            grad_bias = sum_dy.to(x.dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
+    """Batch normalisation over the batches of every (active) rank, through MPI.
+
+    The arguments of ``torch.nn.SyncBatchNorm``; inputs of shape ``(N, C, ...)`` on the CPU.
+    In training mode collective over `process_group`: every active rank runs each forward pass
+    (and the backward pass, where the input needs a gradient), an empty batch included.
+
+    Parameters
+    ----------
+    num_features, eps, momentum, affine, track_running_stats, device, dtype
+        As for ``torch.nn.BatchNorm1d``.
+    process_group : JoinableComm or mpi4py.MPI.Intracomm, optional
+        Inside a Join, the :class:`~tensorplay_mpi.JoinableComm` in the Join; outside one,
+        any communicator.  Default ``MPI.COMM_WORLD``.
+
+    Raises
+    ------
+    ValueError
+        In training, when every rank together has one value per channel; for an input of
+        fewer than 2 dimensions.
+    RuntimeError
+        When a Join is made with `process_group` and a DataParallel (see the module's notes).
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_group: JoinableComm | MPI.Intracomm | None = None,
+                 device: Any = None, dtype: Any = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.process_group = _group(process_group)
+        if isinstance(self.process_group, JoinableComm):  # checked when a Join is made
+            self.process_group._join_checks = (_check_no_data_parallel,)  # type: ignore[attr-defined]
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        tracking = self.training and self.track_running_stats
+        factor = 0.0 if self.momentum is None else self.momentum
+        if tracking and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        if not self.training:  # as torch: no collective in eval mode
+            return torch.nn.functional.batch_norm(
+                input, self.running_mean, self.running_var, self.weight, self.bias,
+                self.running_mean is None, 0.0, self.eps)
+        if isinstance(self.process_group, JoinableComm):
+            _check_no_data_parallel(self.process_group.join_context)
+        if _size(self.process_group) == 1:
+            return torch.nn.functional.batch_norm(
+                input, self.running_mean if tracking else None,
+                self.running_var if tracking else None, self.weight, self.bias, True, factor,
+                self.eps)
+        return _SyncBatchNormFunction.apply(
+            input, self.weight, self.bias, self.running_mean if tracking else None,
+            self.running_var if tracking else None, self.eps, factor, self.process_group)
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module,
+                               process_group: JoinableComm | MPI.Intracomm | None = None
+                               ) -> torch.nn.Module:
+        """`module` with every ``BatchNorm*D`` layer replaced by a :class:`SyncBatchNorm`.
+
+        As ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: parameters, running statistics
+        and the training flag are carried over (shared, not copied); the module returned is
+        `module` itself unless `module` is a batch-norm layer.
+        """
+        converted = module
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(
+                module, SyncBatchNorm):
+            converted = cls(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, process_group)
+            if module.affine:
+                with torch.no_grad():
+                    converted.weight = module.weight
+                    converted.bias = module.bias
+            converted.running_mean = module.running_mean
+            converted.running_var = module.running_var
+            converted.num_batches_tracked = module.num_batches_tracked
+            converted.training = module.training
+            if hasattr(module, "qconfig"):
+                converted.qconfig = module.qconfig
+        for name, child in module.named_children():
+            converted.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+        return converted

@@ -1,0 +1,198 @@
+"""Metrics over uneven shards under mpiexec: every sample counted once, as one process would.
+
+The validation set has 53 samples (prime: never divisible by ranks times the batch size), split
+by :func:`tensorplay_mpi.data.shard` without padding, skewed or with an idle rank.  References
+are computed serially with NumPy from the whole set (or, per step, from the batches of the
+ranks active in that step), never with the library.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from tensorplay_mpi import Join, JoinableComm
+from tensorplay_mpi.data import batches, shard
+from tensorplay_mpi.metrics import (confusion_matrix, distributed_available, gather_all_tensors,
+                                    reduce_states, sync_options)
+from tensorplay_mpi.testing import assert_all, raises_everywhere
+
+N, CLASSES, BATCH = 53, 5, 4
+SPLITS = {"skewed": {"skew": 1.5}, "idle_first": {"idle": (0,)}, "even": {}}
+
+
+def validation_set():
+    g = np.random.default_rng(7)
+    logits = g.standard_normal((N, CLASSES)).astype(np.float32)
+    labels = g.integers(0, CLASSES, N)
+    labels[:20] = logits[:20].argmax(1)  # some right, most wrong
+    preds, target = g.standard_normal(N).astype(np.float32), g.standard_normal(N).astype(
+        np.float32)
+    return logits, labels, preds, target
+
+
+def batches_of(size, split):
+    """Every rank's batches (index arrays), in order: what each rank iterates over."""
+    options = dict(SPLITS[split])
+    if size == 1:
+        options.pop("idle", None)
+    return [batches(shard(N, r, size, **options), BATCH) for r in range(size)]
+
+
+def step_indices(every, t):
+    """The samples of the ranks active in step `t`, in rank order."""
+    return np.concatenate([b[t] for b in every if len(b) > t])
+
+
+def test_serial_confusion_matrix_and_errors():
+    cm = confusion_matrix([0, 1, 2, 2], [0, 2, 2, 1], 3)
+    assert cm.tolist() == [[1, 0, 0], [0, 0, 1], [0, 1, 1]] and cm.dtype == np.int64
+    with pytest.raises(ValueError, match="outside"):
+        confusion_matrix([0, 3], [0, 1], 3)
+    with pytest.raises(ValueError, match="differ in length"):
+        confusion_matrix([0, 1], [0], 3)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.filterwarnings("ignore:The ``compute`` method")  # an idle rank updated nothing
+def test_torchmetrics_accuracy_and_mse_synced_each_step_equal_one_process(comm, split):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchmetrics")
+    from torchmetrics import MeanSquaredError
+    from torchmetrics.classification import MulticlassAccuracy
+
+    logits, labels, preds, target = validation_set()
+    every = batches_of(comm.size, split)
+    assert N % (comm.size * BATCH) != 0
+    jc = JoinableComm(comm)
+    acc = MulticlassAccuracy(num_classes=CLASSES, average="micro", dist_sync_on_step=True,
+                             **sync_options(jc))
+    mse = MeanSquaredError(dist_sync_on_step=True, **sync_options(jc))
+    wrong = []
+    with Join([jc]):
+        for t, idx in enumerate(every[comm.rank]):
+            jc.begin_iteration()
+            a = acc(torch.from_numpy(logits[idx]), torch.from_numpy(labels[idx]))
+            m = mse(torch.from_numpy(preds[idx]), torch.from_numpy(target[idx]))
+            step = step_indices(every, t)  # the step's value over the active ranks' batches
+            a_ref = (logits[step].argmax(1) == labels[step]).mean()
+            m_ref = ((preds[step].astype(np.float64) - target[step]) ** 2).mean()
+            if not (np.isclose(float(a), a_ref, rtol=1e-6)
+                    and np.isclose(float(m), m_ref, rtol=1e-5)):
+                wrong.append((t, float(a), a_ref, float(m), m_ref))
+    assert_all(not wrong, f"step values differ: {wrong[:3]}")
+
+    accuracy, error = float(acc.compute()), float(mse.compute())  # synced over every rank
+    correct = int((logits.argmax(1) == labels).sum())
+    m_ref = ((preds.astype(np.float64) - target) ** 2).mean()
+    for metric in (acc, mse):  # sync() by hand does not use the metric's dist_sync_fn
+        metric.sync(dist_sync_fn=gather_all_tensors, should_sync=comm.size > 1)
+    states = (int(acc.tp.sum()), int((acc.tp + acc.fn).sum()), int(mse.total))
+    assert_all(states == (correct, N, N), f"integer states {states}, expected {correct, N, N}")
+    assert_all(accuracy == pytest.approx(correct / N, rel=1e-6)
+               and error == pytest.approx(m_ref, rel=1e-5),
+               f"accuracy {accuracy} vs {correct / N}, mse {error} vs {m_ref}")
+
+
+@pytest.mark.mpi
+def test_gather_all_tensors_different_shapes_over_a_communicator(comm):
+    torch = pytest.importorskip("torch")
+
+    def mine(rank):
+        return (torch.arange(3 * rank, dtype=torch.float32).reshape(rank, 3),
+                torch.tensor(rank * 10, dtype=torch.int64),
+                torch.tensor([True] * (rank % 2), dtype=torch.bool))
+
+    ok = []
+    for i, tensor in enumerate(mine(comm.rank)):
+        gathered = gather_all_tensors(tensor, comm)
+        expected = [mine(r)[i] for r in range(comm.size)]
+        ok.append(len(gathered) == comm.size and gathered[comm.rank] is tensor and all(
+            g.dtype == e.dtype and g.shape == e.shape and torch.equal(g, e)
+            for g, e in zip(gathered, expected)))
+    arrays = gather_all_tensors(np.full((comm.rank + 1, 2), comm.rank, np.int16), comm)
+    ok.append([a.tolist() for a in arrays] == [[[r, r]] * (r + 1) for r in range(comm.size)])
+    assert_all(all(ok), f"gathered wrongly: {ok}")
+    assert_all(distributed_available() == (MPI.COMM_WORLD.Get_size() > 1))
+
+
+@pytest.mark.mpi
+def test_gather_all_tensors_inside_a_join_holds_the_active_ranks(comm):
+    torch = pytest.importorskip("torch")
+    inputs = [2 + (r % 3) for r in range(comm.size)]
+    jc = JoinableComm(comm)
+    wrong = []
+    with Join([jc]):
+        for t in range(inputs[comm.rank]):
+            jc.begin_iteration()
+            got = gather_all_tensors(torch.full((comm.rank % 2 + 1,), float(t + comm.rank)), jc)
+            active = [r for r in range(comm.size) if inputs[r] > t]
+            expected = [[float(t + r)] * (r % 2 + 1) for r in active]
+            if [g.tolist() for g in got] != expected:
+                wrong.append((t, [g.tolist() for g in got], expected))
+    assert_all(not wrong, f"{wrong[:2]}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_numpy_confusion_matrix_and_running_loss_inside_and_after_a_join(comm, split):
+    logits, labels, preds, target = validation_set()
+    every = batches_of(comm.size, split)
+    jc = JoinableComm(comm)
+    cm = np.zeros((CLASSES, CLASSES), np.int64)
+    loss_sum, count, wrong = 0.0, 0, []
+    with Join([jc]):
+        for t, idx in enumerate(every[comm.rank]):
+            jc.begin_iteration()
+            batch_cm = confusion_matrix(labels[idx], logits[idx].argmax(1), CLASSES)
+            batch_loss = float(((preds[idx] - target[idx]) ** 2).sum())
+            step = reduce_states({"cm": batch_cm, "loss": batch_loss, "n": len(idx)}, jc)
+            ref = step_indices(every, t)
+            ref_cm = np.zeros((CLASSES, CLASSES), np.int64)
+            np.add.at(ref_cm, (labels[ref], logits[ref].argmax(1)), 1)
+            if not (np.array_equal(step["cm"], ref_cm) and step["n"] == ref.size):
+                wrong.append(t)
+            cm += batch_cm
+            loss_sum += batch_loss
+            count += len(idx)
+    totals = reduce_states({"cm": cm, "loss": loss_sum, "count": count}, comm)  # after: plain
+    ref_cm = np.zeros((CLASSES, CLASSES), np.int64)
+    for true, guess in zip(labels, logits.argmax(1)):
+        ref_cm[true, guess] += 1
+    ref_loss = ((preds.astype(np.float64) - target) ** 2).mean()
+    assert_all(not wrong, f"per-step states wrong at steps {wrong}")
+    assert_all(np.array_equal(totals["cm"], ref_cm) and totals["count"] == N
+               and totals["cm"].dtype == np.int64, f"{totals}")
+    assert_all(np.isclose(totals["loss"] / totals["count"], ref_loss, rtol=1e-6),
+               f"mean loss {totals['loss'] / totals['count']} vs {ref_loss}")
+
+
+@pytest.mark.mpi
+def test_reduce_states_refuses_complex_states_on_every_rank(comm):
+    with raises_everywhere(TypeError, match="complex128"):
+        reduce_states({"z": np.ones(2, complex)}, comm)
+
+
+@pytest.mark.mpi
+def test_gather_all_tensors_refuses_what_mpi_cannot_carry_on_every_rank(comm):
+    torch = pytest.importorskip("torch")
+    with raises_everywhere(TypeError, match="bfloat16"):
+        gather_all_tensors(torch.ones(2, dtype=torch.bfloat16), comm)
+    with raises_everywhere(TypeError, match="group"):
+        gather_all_tensors(torch.ones(2), group="world")
+
+
+@pytest.mark.mpi
+def test_a_copied_metric_or_model_shares_the_joinable_comm(comm):
+    import copy
+
+    pytest.importorskip("torch")
+    pytest.importorskip("torchmetrics")
+    from torchmetrics import MeanSquaredError
+
+    from tensorplay_mpi.sync_batchnorm import SyncBatchNorm
+
+    jc = JoinableComm(comm)
+    metric = MeanSquaredError(**sync_options(jc)).clone()
+    layer = copy.deepcopy(SyncBatchNorm(2, process_group=jc))
+    assert_all(metric.process_group is jc and layer.process_group is jc)

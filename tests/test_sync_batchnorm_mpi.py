@@ -1,0 +1,158 @@
+"""SyncBatchNorm under mpiexec: training on uneven inputs equals serial BatchNorm.
+
+The reference replays every step serially with ``torch.nn.BatchNorm1d`` on the concatenation
+of the active ranks' batches (float64): loss the sum of squared errors over that batch,
+gradient divided by the world size, ``torch.optim.SGD``.  Batches include empty ones and single
+samples.  Ranks that joined early hold the state they had then; a broadcast from a rank that
+ran every step after the Join makes every rank equal to the reference.
+"""
+
+import numpy as np
+import pytest
+
+from tensorplay_mpi import DataParallel, Join, JoinableComm
+from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
+
+torch = pytest.importorskip("torch")
+from tensorplay_mpi.sync_batchnorm import SyncBatchNorm  # noqa: E402  (needs torch)
+
+PATTERNS = ["three_plus_rank", "rank0_zero", "last_zero", "even"]
+
+
+class Net(torch.nn.Module):
+    def __init__(self, momentum=0.1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv1d(1, 3, 3)
+        self.norm = torch.nn.BatchNorm1d(3, momentum=momentum)
+        self.linear = torch.nn.Linear(3 * 6, 2)
+        self.norm2 = torch.nn.BatchNorm1d(2, momentum=momentum)
+        self.double()
+
+    def forward(self, x):
+        return self.norm2(self.linear(torch.tanh(self.norm(self.conv(x))).flatten(1)))
+
+
+def batch_sizes(inputs):
+    """sizes[t][r]: rank r's batch size at step t (0 and 1 included; every step's total > 1)."""
+    sizes = []
+    for t in range(max(inputs, default=0)):
+        active = [r for r in range(len(inputs)) if inputs[r] > t]
+        row = {r: [0, 1, 3, 2][(r + t) % 4] if len(inputs) > 1 else 2 + t % 3 for r in active}
+        if sum(row.values()) <= 1:
+            row[active[-1]] = 3
+        sizes.append(row)
+    return sizes
+
+
+def batch(rank, t, n):
+    g = torch.Generator().manual_seed(1000 * rank + t)
+    return (torch.randn(n, 1, 8, generator=g, dtype=torch.float64) * 2 + 1,
+            torch.randn(n, 2, generator=g, dtype=torch.float64))
+
+
+def sse(model, x, y):
+    return ((model(x) - y) ** 2).sum()
+
+
+def reference(inputs, momentum):
+    model = Net(momentum)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for t, row in enumerate(batch_sizes(inputs)):
+        xs, ys = zip(*(batch(r, t, n) for r, n in row.items()))
+        opt.zero_grad()
+        sse(model, torch.cat(xs), torch.cat(ys)).backward()
+        for p in model.parameters():
+            p.grad /= len(inputs)
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_training_on_uneven_inputs_equals_serial_batchnorm(comm, pattern, momentum):
+    inputs = inputs_of(pattern, comm.size)
+    sizes = batch_sizes(inputs)
+    jc = JoinableComm(comm)
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(momentum), jc)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.05)
+    with Join([jc]):
+        for t in range(inputs[comm.rank]):
+            jc.begin_iteration()
+            x, y = batch(comm.rank, t, sizes[t][comm.rank])
+            opt.zero_grad()
+            sse(model, x, y).backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            jc.allreduce(flat, out=flat)
+            for p, g in zip(params, flat.split([p.numel() for p in params])):
+                p.grad.copy_(g.reshape(p.shape) / comm.size)
+            opt.step()
+    expected = reference(inputs, momentum)
+
+    def differences():
+        state = model.state_dict()
+        return {k: float((state[k].double() - v.double()).abs().max()) for k, v in
+                expected.items() if not torch.allclose(state[k].double(), v.double(),
+                                                       rtol=1e-9, atol=1e-11)}
+
+    last = max(inputs)
+    if inputs[comm.rank] == last:  # ran every step: equal to the serial replay already
+        assert_all(not differences(), f"after the Join: {differences()}")
+    else:
+        assert_all(True)
+    root = max(r for r in range(comm.size) if inputs[r] == last)
+    for tensor in model.state_dict().values():
+        jc.bcast(tensor, root=root, out=tensor)
+    assert_all(not differences(), f"after the broadcast: {differences()}")
+    assert_all(type(model.norm) is SyncBatchNorm and int(model.norm.num_batches_tracked) == last)
+
+
+@pytest.mark.mpi
+def test_eval_mode_issues_no_collective_and_uses_running_stats(comm):
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), comm).eval()
+    reference = Net().eval()
+    x = batch(comm.rank, 0, 1 + comm.rank)[0]  # ranks differ in size and none waits
+    assert_all(torch.allclose(model(x), reference(x), rtol=1e-12, atol=0))
+
+
+@pytest.mark.mpi
+def test_a_global_batch_of_one_sample_raises_on_every_rank(comm):
+    layer = SyncBatchNorm(3, process_group=comm).double()
+    x = torch.ones(1 if comm.rank == 0 else 0, 3, dtype=torch.float64)
+    with raises_everywhere(ValueError, match="more than 1 value per channel"):
+        layer(x)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["rank0_zero", "even"])
+def test_a_join_with_data_parallel_is_refused_on_every_rank_before_anything_starts(comm,
+                                                                                   pattern):
+    jc = JoinableComm(comm)
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
+    dp = DataParallel(model.parameters(), comm=comm)
+    with raises_everywhere(RuntimeError, match="DataParallel"):
+        with Join([dp, jc]):
+            for t in range(inputs_of(pattern, comm.size)[comm.rank]):
+                with dp.step():
+                    jc.begin_iteration()
+                    sse(model, *batch(comm.rank, t, 3)).backward()
+    with Join([jc]):  # nothing started, nothing pending: the communicator works on
+        for t in range(1 + comm.rank):
+            jc.begin_iteration()
+            sse(model, *batch(comm.rank, t, 3)).backward()
+
+
+def test_convert_shares_parameters_and_state_and_keeps_the_rest():
+    net = Net()
+    net.norm.running_mean += 1
+    net.eval()
+    weight, running = net.norm.weight, net.norm.running_mean
+    converted = SyncBatchNorm.convert_sync_batchnorm(net)
+    assert converted is net and type(net.norm) is SyncBatchNorm and type(net.norm2) is SyncBatchNorm
+    assert net.norm.weight is weight and net.norm.running_mean is running
+    assert not net.norm.training and isinstance(net.conv, torch.nn.Conv1d)
+    with pytest.raises(ValueError, match="at least 2D"):
+        net.norm(torch.ones(3, dtype=torch.float64))
+    assert np.isclose(float(net.norm.running_mean[0]), 1.0)
