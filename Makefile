@@ -20,7 +20,7 @@ CORE_TESTS   := tests/test_join_mpi.py tests/test_data_parallel_mpi.py \
                 tests/test_zero_mpi.py
 
 .PHONY: help venv test test-serial test-mpi test-unfused test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
-        lint bench bench-threads bench-torch gpu-check clean
+        lint bench bench-fresh bench-threads bench-torch gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -161,6 +161,18 @@ bench-torch: venv  ## a torch model: DataParallel + Join against DDP + Join (glo
 	@mkdir -p benchmarks/results
 	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_torch.py \
 	  --out benchmarks/results/torch-2-ranks.json
+
+# The optimizer benchmark as a new user installs: a fresh venv (FRESH_VENV) with the README's
+# laptop line, `pip install '.[mpich]'` (not editable, no extras: numba comes as a dependency
+# where it has wheels); JSON in benchmarks/results/optim-fresh.json.
+FRESH_VENV ?= .venv-fresh
+bench-fresh:  ## the optimizer benchmark on a fresh default install (FRESH_VENV)
+	rm -rf $(FRESH_VENV)
+	$(PYTHON) -m venv $(FRESH_VENV)
+	$(FRESH_VENV)/bin/python -m pip install -q '.[mpich]'
+	@mkdir -p benchmarks/results
+	cd benchmarks && OPENBLAS_NUM_THREADS=1 ../$(FRESH_VENV)/bin/python bench_optim.py \
+	  --out results/optim-fresh.json
 
 # On a machine with an NVIDIA GPU and CuPy (visible to $(PYTHON)): the gpu tests at 1 and 2
 # ranks, then the GPU benchmark; JSON in benchmarks/results/. Under five minutes.
