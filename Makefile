@@ -19,7 +19,7 @@ CORE_TESTS   := tests/test_join_mpi.py tests/test_data_parallel_mpi.py \
                 tests/test_data_parallel_misuse_mpi.py tests/test_joinable_comm_mpi.py \
                 tests/test_zero_mpi.py
 
-.PHONY: help venv test test-serial test-mpi test-unfused test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
+.PHONY: help venv test test-serial test-mpi test-unfused test-nopersistent test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
         lint bench bench-fresh bench-threads bench-torch gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
@@ -64,6 +64,14 @@ test-unfused: venv  ## the optimizer tests again on the NumPy rules (fused kerne
 	  --timeout-method=thread tests/test_optim.py
 	TENSORPLAY_MPI_FUSED=0 $(MAKE) --no-print-directory test-mpi RANKS="1 2 3" \
 	  MPI_TESTS="$(OPTIM_TESTS)"
+
+# The JoinableComm and Join tests once more without MPI-4 persistent collectives, as with Open
+# MPI 4 or Debian's mpi4py 3.1 (tensorplay_mpi.persistent): the fallback is the nonblocking path.
+PERSISTENT_TESTS := tests/test_joinable_comm_mpi.py tests/test_joinable_comm_misuse_mpi.py \
+                    tests/test_persistent_mpi.py tests/test_join_mpi.py
+test-nopersistent: venv  ## the JoinableComm tests again without persistent collectives
+	TENSORPLAY_MPI_PERSISTENT=0 $(MAKE) --no-print-directory test-mpi RANKS="1 2 3" \
+	  MPI_TESTS="$(PERSISTENT_TESTS)"
 
 # Scale (see docs/scale.md): the core MPI tests at 8 ranks, oversubscribed (about 1 min here);
 # an exactness soak at 32 ranks (DataParallel and JoinableComm against closed forms, ~10 s).

@@ -301,9 +301,9 @@ def progress_pending() -> None:
     _swept += len(held)
     try:
         requests = [work._request for work in held]
-        MPI.Request.Testsome(requests)  # completed ones become REQUEST_NULL in `requests`
-        for work, request in zip(held, requests):
-            if not request and not work._done:  # also a null request started as one
+        done = set(MPI.Request.Testsome(requests) or ())  # persistent ones stay non-null
+        for i, (work, request) in enumerate(zip(held, requests)):
+            if (i in done or not request) and not work._done:  # or a null request from start
                 work._complete()
     finally:
         for work in held:
