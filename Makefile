@@ -156,7 +156,11 @@ bench: venv  ## every benchmark: JSON and a plot in benchmarks/results/
 	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_jc.py \
 	    --out benchmarks/results/jc-$$n-ranks.json || exit 1; \
 	done
+	$(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_registry.py \
+	  --out benchmarks/results/registry-2-ranks.json
 	$(MAKE) --no-print-directory bench-threads
+	@echo "== the round's ratios (benchmarks/summary.py)"
+	@$(PY) benchmarks/summary.py benchmarks/results
 
 # BLAS threads: a DataParallel step in the default environment against OPENBLAS_NUM_THREADS=1,
 # launches interleaved (the environment is read when BLAS loads); JSON in benchmarks/results/.
