@@ -514,6 +514,9 @@ def _output(x: Any, out: Any, given: Any) -> tuple[Any, Any]:
         return new, like(given, new)
     if out is x:
         return out, out
+    if (type(out) is np.ndarray and out.base is None and x.base is None and out.shape == x.shape
+            and out.dtype == x.dtype and out.flags.c_contiguous):  # the common case: no more
+        return out, out  # to check (two arrays without a base cannot overlap)
     result, out = out, as_array(out, "out")
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be shaped and typed like the input: {x.shape} {x.dtype}, "

@@ -87,6 +87,7 @@ class PersistentCollectives:
 
     def allreduce(self, x: np.ndarray, out: Any, op: MPI.Op, op_code: int, what: str) -> None:
         """Allreduce of the host array `x` into `out` (shaped and typed like `x`)."""
+        self._check("allreduce", what, lambda: f"allreduce {x.size}x{x.dtype} op={op_code}")
         key = (0, x.dtype, x.size, op_code)
         entry = self._cache.pop(key, None)
         if entry is None:
@@ -94,13 +95,13 @@ class PersistentCollectives:
             entry = (self.comm.Allreduce_init(send, recv, op), send, recv)
         request, send, recv = entry
         send[...] = x.reshape(-1)
-        self._run(request, "allreduce", what, entry,
-                  lambda: f"allreduce {x.size}x{x.dtype} op={op_code}")
+        self._run(request, what, entry)
         self._keep(key, entry)
         out[...] = recv.reshape(x.shape)
 
     def bcast(self, x: np.ndarray, out: Any, root: int, what: str) -> None:
         """The `root`'s host array `x` into `out` on every rank (`x` is read on `root` only)."""
+        self._check("bcast", what, lambda: f"bcast {x.size}x{x.dtype} root={root}")
         key = (1, x.dtype, x.size, root)
         entry = self._cache.pop(key, None)
         if entry is None:
@@ -109,20 +110,20 @@ class PersistentCollectives:
         request, buf, _ = entry
         if self.comm.Get_rank() == root:
             buf[...] = x.reshape(-1)
-        self._run(request, "bcast", what, entry, lambda: f"bcast {x.size}x{x.dtype} root={root}")
+        self._run(request, what, entry)
         self._keep(key, entry)
         out[...] = buf.reshape(x.shape)
 
     def allreduce_in_place(self, buf: np.ndarray, op: MPI.Op, what: str) -> None:
         """Allreduce of `buf` in place, the request bound to `buf` itself (kept as long as this
         object: for a buffer that lives as long, such as an announcement buffer)."""
+        self._check("allreduce", what, lambda: f"allreduce {buf.size}x{buf.dtype}")
         entry = self._in_place.get(id(buf))
         if entry is None or entry[1] is not buf:
             request = self.comm.Allreduce_init(MPI.IN_PLACE, buf, op)
             entry = self._in_place[id(buf)] = (request, buf)
         try:
-            self._run(entry[0], "allreduce", what, entry,
-                      lambda: f"allreduce {buf.size}x{buf.dtype}")
+            self._run(entry[0], what, entry)
         except BaseException:
             del self._in_place[id(buf)]  # the registry owns the request now: never restarted
             raise
@@ -134,12 +135,15 @@ class PersistentCollectives:
             oldest = next(iter(self._cache))
             self._cache.pop(oldest)[0].Free()  # inactive: every start was waited for
 
-    def _run(self, request: MPI.Prequest, kind: str, what: str, keep: tuple,
-             signature: Callable[[], str]) -> None:
-        """Start `request` and wait for it, as every library collective (guard, deadline,
-        failure notices); a request that has not completed at once becomes a Work."""
+    def _check(self, kind: str, what: str, signature: Callable[[], str]) -> None:
+        """What every library collective asks its guard first, before anything is set up: a
+        broken communicator refuses; the count of operations; debug mode's signature check."""
         if self._guard is not None:
             self._guard.before_collective(kind, what, signature)
+
+    def _run(self, request: MPI.Prequest, what: str, keep: tuple) -> None:
+        """Start `request` and wait for it as every library collective (deadline, failure
+        notices); a request that has not completed at once becomes a Work."""
         request.Start()
         if not request.Test():  # on failure the registry owns it, and it is never restarted
             Work(request, what, keep, None, self._guard).wait_or_abort(self.timeout)
