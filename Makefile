@@ -19,8 +19,8 @@ CORE_TESTS   := tests/test_join_mpi.py tests/test_data_parallel_mpi.py \
                 tests/test_data_parallel_misuse_mpi.py tests/test_joinable_comm_mpi.py \
                 tests/test_zero_mpi.py
 
-.PHONY: help venv test test-serial test-mpi test-unfused test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
-        lint bench bench-threads bench-torch gpu-check clean
+.PHONY: help venv test test-serial test-mpi test-unfused test-nopersistent test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
+        lint bench bench-fresh bench-threads bench-torch gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -64,6 +64,14 @@ test-unfused: venv  ## the optimizer tests again on the NumPy rules (fused kerne
 	  --timeout-method=thread tests/test_optim.py
 	TENSORPLAY_MPI_FUSED=0 $(MAKE) --no-print-directory test-mpi RANKS="1 2 3" \
 	  MPI_TESTS="$(OPTIM_TESTS)"
+
+# The JoinableComm and Join tests once more without MPI-4 persistent collectives, as with Open
+# MPI 4 or Debian's mpi4py 3.1 (tensorplay_mpi.persistent): the fallback is the nonblocking path.
+PERSISTENT_TESTS := tests/test_joinable_comm_mpi.py tests/test_joinable_comm_misuse_mpi.py \
+                    tests/test_persistent_mpi.py tests/test_join_mpi.py
+test-nopersistent: venv  ## the JoinableComm tests again without persistent collectives
+	TENSORPLAY_MPI_PERSISTENT=0 $(MAKE) --no-print-directory test-mpi RANKS="1 2 3" \
+	  MPI_TESTS="$(PERSISTENT_TESTS)"
 
 # Scale (see docs/scale.md): the core MPI tests at 8 ranks, oversubscribed (about 1 min here);
 # an exactness soak at 32 ranks (DataParallel and JoinableComm against closed forms, ~10 s).
@@ -155,7 +163,11 @@ bench: venv  ## every benchmark: JSON and a plot in benchmarks/results/
 	done
 	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_metrics.py \
 	  --out benchmarks/results/metrics-2-ranks.json
+	$(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_registry.py \
+	  --out benchmarks/results/registry-2-ranks.json
 	$(MAKE) --no-print-directory bench-threads
+	@echo "== the round's ratios (benchmarks/summary.py)"
+	@$(PY) benchmarks/summary.py benchmarks/results
 
 # BLAS threads: a DataParallel step in the default environment against OPENBLAS_NUM_THREADS=1,
 # launches interleaved (the environment is read when BLAS loads); JSON in benchmarks/results/.
@@ -171,6 +183,18 @@ bench-torch: venv  ## a torch model: DataParallel + Join against DDP + Join (glo
 	  --out benchmarks/results/torch-2-ranks.json
 	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_torch_adamw.py \
 	  --out benchmarks/results/torch-adamw-2-ranks.json
+
+# The optimizer benchmark as a new user installs: a fresh venv (FRESH_VENV) with the README's
+# laptop line, `pip install '.[mpich]'` (not editable, no extras: numba comes as a dependency
+# where it has wheels); JSON in benchmarks/results/optim-fresh.json.
+FRESH_VENV ?= .venv-fresh
+bench-fresh:  ## the optimizer benchmark on a fresh default install (FRESH_VENV)
+	rm -rf $(FRESH_VENV)
+	$(PYTHON) -m venv $(FRESH_VENV)
+	$(FRESH_VENV)/bin/python -m pip install -q '.[mpich]'
+	@mkdir -p benchmarks/results
+	cd benchmarks && OPENBLAS_NUM_THREADS=1 ../$(FRESH_VENV)/bin/python bench_optim.py \
+	  --out results/optim-fresh.json
 
 # On a machine with an NVIDIA GPU and CuPy (visible to $(PYTHON)): the gpu tests at 1 and 2
 # ranks, then the GPU benchmark; JSON in benchmarks/results/. Under five minutes.

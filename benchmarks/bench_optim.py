@@ -12,7 +12,8 @@ better estimate of the uncontended cost.
 
 - ``adam``, ``adamw``, ``sgd_momentum``: the library's optimizers as configured (the fused
   kernels when numba is installed and ``TENSORPLAY_MPI_FUSED`` is not 0);
-- ``adam_numpy``: the same Adam on the NumPy rules (``TENSORPLAY_MPI_FUSED=0``);
+- ``adam_numpy``, ``adamw_numpy``, ``sgd_momentum_numpy``: the same steps on the NumPy rules
+  (``TENSORPLAY_MPI_FUSED=0``: the fused path forced off, as where numba has no wheels);
 - ``adam_whole_arrays``: Adam written with whole-array expressions, a temporary per operation;
 - ``torch_adam_fused``, ``torch_adam_foreach``: ``torch.optim.Adam(fused=True)`` and
   ``(foreach=True)`` on tensors sharing the same memory, one thread (as each rank of two on
@@ -40,7 +41,7 @@ from tensorplay_mpi import SGD, Adam, AdamW
 from tensorplay_mpi.settings import settings
 
 TARGETS = {"adam": 1.3, "adamw": 1.3, "sgd_momentum": 1.2}
-ARRAYS = {"sgd_momentum": 5}  # the others: 7
+ARRAYS = {"sgd_momentum": 5, "sgd_momentum_numpy": 5}  # the others: 7
 TORCH_TARGET = 1.3  # adam / torch_adam_fused
 
 _WARM_UP = ("import time, numpy, numba; from tensorplay_mpi.optim import fused; "
@@ -149,6 +150,8 @@ def main() -> None:
         "adamw": AdamW(params, grads, lr=1e-4).step,
         "sgd_momentum": SGD(params, grads, lr=1e-4, momentum=0.9).step,
         "adam_numpy": on_numpy_rules(Adam(params, grads, lr=1e-4).step),
+        "adamw_numpy": on_numpy_rules(AdamW(params, grads, lr=1e-4).step),
+        "sgd_momentum_numpy": on_numpy_rules(SGD(params, grads, lr=1e-4, momentum=0.9).step),
         "adam_whole_arrays": whole_array_adam(params, grads),
         **torch_steps(params, grads),
     }

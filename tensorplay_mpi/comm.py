@@ -46,6 +46,9 @@ __all__ = [
     "op_name",
 ]
 
+_HOST = Staging()  # host arrays only: nothing to stage, nothing to copy back (never changes)
+
+
 def default_timeout() -> float:
     """Seconds a library wait may take: ``$TENSORPLAY_MPI_TIMEOUT``, default 1800.
 
@@ -158,10 +161,13 @@ def iallreduce(
     Collective over `comm`: every rank must call it.  `sendbuf` may be ``MPI.IN_PLACE``.
     """
     send, recv = _buffer(sendbuf, "sendbuf", what), _buffer(recvbuf, "recvbuf", what)
-    staging = Staging()
-    if send is MPI.IN_PLACE:
+    if type(recv) is np.ndarray and (type(send) is np.ndarray or send is MPI.IN_PLACE):
+        staging, args = _HOST, (send, recv, op)  # host arrays: no staging to decide
+    elif send is MPI.IN_PLACE:
+        staging = Staging()
         args = (send, staging.update(recv), op)
     else:
+        staging = Staging()
         args = (staging.read(send), staging.write(recv), op)
     return _start(comm, what, "allreduce", comm.Iallreduce, args, (send, recv), recvbuf,
                   staging,
@@ -175,8 +181,11 @@ def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Wor
     Collective over `comm`: every rank must call it.
     """
     data = _buffer(buf, "buf", what)
-    staging = Staging()
-    mpi_buf = staging.read(data) if comm.Get_rank() == root else staging.write(data)
+    if type(data) is np.ndarray:
+        staging, mpi_buf = _HOST, data  # a host array: no staging to decide
+    else:
+        staging = Staging()
+        mpi_buf = staging.read(data) if comm.Get_rank() == root else staging.write(data)
     return _start(comm, what, "bcast", comm.Ibcast, (mpi_buf, root), (data,), buf,
                   staging, lambda: f"bcast {_describe(data)} root={root}")
 

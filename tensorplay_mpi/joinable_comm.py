@@ -42,6 +42,7 @@ from .algorithms.guarded_joinable import REFUSALS, GuardedJoinable, refusal_code
 from .algorithms.join import Join, JoinHook
 from .buffers import device_of, misordered, zeros_like
 from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_name
+from .persistent import MAX_BYTES, PersistentCollectives, enabled
 from .tensors import as_array, is_tensor, like
 
 __all__ = ["JoinableComm"]
@@ -219,6 +220,7 @@ class JoinableComm(GuardedJoinable):
         self._highest: tuple = (None, 0, -1)  # (Join, active ranks, the highest active rank)
         self._iteration = 0
         self._where = "iteration 0"
+        self._persistent = PersistentCollectives(self.comm, self.timeout) if enabled() else None
 
     # -- iterations ------------------------------------------------------------------------
 
@@ -301,8 +303,11 @@ class JoinableComm(GuardedJoinable):
     def _exchange_announcement(self) -> tuple:
         """The announcement allreduce, then the fields every rank checks the same way."""
         what = f"announcement ({self._where})"
-        iallreduce(self.comm, MPI.IN_PLACE, self._announcement, MPI.MAX, what).wait_or_abort(
-            self.timeout)
+        if self._persistent is not None:  # every rank announces or follows: the same request
+            self._persistent.allreduce_in_place(self._announcement, MPI.MAX, what)
+        else:
+            iallreduce(self.comm, MPI.IN_PLACE, self._announcement, MPI.MAX, what).wait_or_abort(
+                self.timeout)
         values = tuple(self._announcement[:_PAYLOAD_AT].tolist())
         kind, op, code, root, count, rows = fields = values[:_FIELDS]
         digest, negated = values[_FIELDS:_FIELDS + 2]
@@ -332,6 +337,20 @@ class JoinableComm(GuardedJoinable):
         place.  Inside a Join the library completes a Work that its caller drops when the
         iteration ends.
         """
+        return self._allreduce(x, op, out, False)
+
+    def allreduce(self, x: Any, op: MPI.Op = MPI.SUM, out: Any = None) -> Any:
+        """Allreduce of `x` over the active ranks (see :meth:`iallreduce`).
+
+        A host array of at most :data:`~tensorplay_mpi.persistent.MAX_BYTES` bytes goes
+        through a persistent collective while every rank is active (see
+        :mod:`tensorplay_mpi.persistent`): every rank must then call ``allreduce`` (not
+        ``iallreduce``) for it, with a host array.
+        """
+        return self._allreduce(x, op, out, True)
+
+    def _allreduce(self, x: Any, op: MPI.Op, out: Any, wait: bool) -> Any:
+        """:meth:`iallreduce` (`wait` False: a Work) or :meth:`allreduce` (the result)."""
         try:  # the common case inline: dict look-ups, no call
             given = x
             x = x if type(x) is np.ndarray and x.flags.c_contiguous else self._array(x)
@@ -349,14 +368,16 @@ class JoinableComm(GuardedJoinable):
                                payload=_keys(x, reverse))
                 keys = self._announcement[_PAYLOAD_AT:_PAYLOAD_AT + x.size]
                 out[...] = _from_keys(keys, x.dtype, reverse).reshape(x.shape)
-                return _completed(result, f"allreduce ({self._where}, carried)")
+                return result if wait else _completed(result, f"allreduce ({self._where}, "
+                                                              "carried)")
             self._announce(_ALLREDUCE, op_code, code, count=x.size)
+        elif wait and self._persistent is not None and type(x) is np.ndarray \
+                and x.nbytes <= MAX_BYTES:  # every rank active: the same on every rank
+            self._persistent.allreduce(x, out, op, op_code, f"allreduce ({self._where})")
+            return result
         send = MPI.IN_PLACE if out is x else x
-        return self._own(iallreduce(self.comm, send, result, op, f"allreduce ({self._where})"))
-
-    def allreduce(self, x: Any, op: MPI.Op = MPI.SUM, out: Any = None) -> Any:
-        """Allreduce of `x` over the active ranks (see :meth:`iallreduce`)."""
-        return self._wait(self.iallreduce(x, op, out))
+        work = self._own(iallreduce(self.comm, send, result, op, f"allreduce ({self._where})"))
+        return self._wait(work) if wait else work
 
     def iallgather(self, rows: Any) -> Work:
         """Start a gather of every active rank's rows, in rank order; the result is an array.
@@ -408,6 +429,10 @@ class JoinableComm(GuardedJoinable):
         no rank) raises ``ValueError`` on every rank, joined ones included.  `out` (shaped and
         typed like `x`, C-contiguous) receives the data; by default a new array.
         """
+        return self._bcast(x, root, out, False)
+
+    def _bcast(self, x: Any, root: int | str, out: Any, wait: bool) -> Any:
+        """:meth:`ibcast` (`wait` False: a Work) or :meth:`bcast` (the result)."""
         try:
             given = x
             x = x if type(x) is np.ndarray and x.flags.c_contiguous else self._array(x)
@@ -430,16 +455,21 @@ class JoinableComm(GuardedJoinable):
                 _check_root(target, highest or values[_ROOT_IS_ME] == 1)
                 data = self._announcement[_PAYLOAD_AT:].tobytes()[:x.nbytes]
                 out[...] = np.frombuffer(data, x.dtype).reshape(x.shape)
-                return _completed(result, f"bcast ({self._where}, carried)")
+                return result if wait else _completed(result, f"bcast ({self._where}, carried)")
             values = self._announce(_BCAST, 0, code, target, x.size)
             target = values[_RANK] if highest else target
             _check_root(target, highest or values[_ROOT_IS_ME] == 1)
-        elif highest:
-            target = self.size - 1
+        else:
+            if highest:
+                target = self.size - 1
+            if wait and self._persistent is not None and type(x) is np.ndarray \
+                    and x.nbytes <= MAX_BYTES:  # every rank active: the same on every rank
+                self._persistent.bcast(x, out, target, f"bcast from {target} ({self._where})")
+                return result
         if self.rank == target and out is not x:
             out[...] = x
-        return self._own(ibcast(self.comm, result, target,
-                                f"bcast from {target} ({self._where})"))
+        work = self._own(ibcast(self.comm, result, target, f"bcast from {target} ({self._where})"))
+        return self._wait(work) if wait else work
 
     def _carrier(self, x: Any, root: int) -> int | None:
         """The rank whose small `x` an announcement carries: `root`, or the highest active
@@ -452,8 +482,12 @@ class JoinableComm(GuardedJoinable):
         return highest if join is self._owner and active == self._active else None
 
     def bcast(self, x: Any, root: int | str = "highest_active", out: Any = None) -> Any:
-        """The root's `x` on every active rank (see :meth:`ibcast`)."""
-        return self._wait(self.ibcast(x, root, out))
+        """The root's `x` on every active rank (see :meth:`ibcast`).
+
+        A small host array goes through a persistent collective while every rank is active,
+        as in :meth:`allreduce`: every rank must then call ``bcast`` for it.
+        """
+        return self._bcast(x, root, out, True)
 
     def _array(self, x: Any) -> Any:
         """`x` as an array MPI can send: C-ordered (a copy if it was not), on its device; a
@@ -493,6 +527,9 @@ def _output(x: Any, out: Any, given: Any) -> tuple[Any, Any]:
         return new, like(given, new)
     if out is x:
         return out, out
+    if (type(out) is np.ndarray and out.base is None and x.base is None and out.shape == x.shape
+            and out.dtype == x.dtype and out.flags.c_contiguous):  # the common case: no more
+        return out, out  # to check (two arrays without a base cannot overlap)
     result, out = out, as_array(out, "out")
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be shaped and typed like the input: {x.shape} {x.dtype}, "

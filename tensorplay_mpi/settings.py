@@ -66,6 +66,8 @@ class Settings:
     """``"auto"``, ``"keep"``, or a number of threads per rank."""
     fused: str = "auto"
     """``"auto"`` (numba's kernels when it is installed), ``"0"`` (NumPy) or ``"1"`` (numba's)."""
+    persistent: str = "auto"
+    """MPI-4 persistent collectives: ``"auto"`` (where supported), ``"0"`` (never) or ``"1"``."""
 
 
 def positive_seconds(value: object, name: str) -> float:
@@ -151,6 +153,7 @@ def settings() -> Settings:
         excepthook=_flag("TENSORPLAY_MPI_EXCEPTHOOK", Settings.excepthook),
         threads=threads_setting(os.environ.get("TENSORPLAY_MPI_THREADS")),
         fused=_choice("TENSORPLAY_MPI_FUSED", Settings.fused, ("auto", "0", "1")),
+        persistent=_choice("TENSORPLAY_MPI_PERSISTENT", Settings.persistent, ("auto", "0", "1")),
     )
 
 

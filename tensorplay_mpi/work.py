@@ -29,8 +29,8 @@ from mpi4py import MPI
 from .errors import CollectiveTimeoutError
 from .settings import settings
 
-__all__ = ["Work", "Poller", "outstanding_requests", "progress_pending", "complete_pending",
-           "report_and_abort"]
+__all__ = ["Work", "Poller", "outstanding_requests", "progress_pending", "sweep_tests",
+           "complete_pending", "report_and_abort"]
 
 # A wait spins on MPI_Test while data may be moving (a nonblocking collective progresses only
 # inside MPI calls): 1 ms plus 4 ms per MB of its buffers.  Then it sleeps between tests, 10 us
@@ -75,6 +75,7 @@ class Poller(Protocol):
 
 _pending: dict[int, Work] = {}  # id -> Work, in start order; strong references
 _starts = 0  # operations started since the registry was last progressed
+_swept = 0  # requests tested by sweeps of the registry so far (tests check that it stays O(n))
 
 
 class Work:
@@ -281,11 +282,38 @@ def outstanding_requests() -> int:
 def progress_pending() -> None:
     """Test every pending operation once, completing those that are done (and releasing their
     buffers).  New Works do it every ``max(32, pending)`` starts, so dropped Works do not pile
-    up, at an amortised O(1) a start."""
-    global _starts
+    up, at an amortised O(1) a start.
+
+    One sweep is one ``MPI_Testsome`` over the pending requests that no other thread is testing
+    at the moment (those are skipped: MPI forbids two threads testing one request at once).
+    """
+    global _starts, _swept
     _starts = 0
+    held = []
     for work in list(_pending.values()):
-        work.is_completed()
+        if work._testing.acquire(blocking=False):
+            if work._done:
+                work._testing.release()
+            else:
+                held.append(work)
+    if not held:
+        return
+    _swept += len(held)
+    try:
+        requests = [work._request for work in held]
+        done = set(MPI.Request.Testsome(requests) or ())  # persistent ones stay non-null
+        for i, (work, request) in enumerate(zip(held, requests)):
+            if (i in done or not request) and not work._done:  # or a null request from start
+                work._complete()
+    finally:
+        for work in held:
+            work._testing.release()
+
+
+def sweep_tests() -> int:
+    """How many requests the registry's sweeps (:func:`progress_pending`) have tested in this
+    process: it grows by O(1) a start, whatever is pending."""
+    return _swept
 
 
 def complete_pending(poller: Poller | None, timeout: float) -> None:

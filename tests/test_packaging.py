@@ -76,3 +76,19 @@ def test_no_two_class_names_are_the_same_words_in_another_order():
         key = tuple(sorted(re.findall(r"[A-Z][a-z0-9]*", name.lstrip("_"))))
         assert key not in words, f"{name} and {words[key]} are the same words"
         words[key] = name
+
+
+def test_numba_is_a_dependency_exactly_where_it_has_wheels():
+    """The default install brings the fused optimizer steps where PyPI has numba's wheels; other
+    platforms install without it (the NumPy rules) instead of failing to build it."""
+    from packaging.markers import Marker
+
+    text = (ROOT / "pyproject.toml").read_text()
+    (marker,) = re.findall(r'"numba>=[\d.]+; (.+)",', text)
+    cases = {("Linux", "x86_64", "3.10"): True, ("Linux", "aarch64", "3.14"): True,
+             ("Darwin", "arm64", "3.12"): True, ("Windows", "AMD64", "3.13"): True,
+             ("Darwin", "x86_64", "3.12"): False, ("Windows", "ARM64", "3.12"): False,
+             ("Linux", "ppc64le", "3.12"): False, ("Linux", "x86_64", "3.15"): False}
+    for (system, machine, python), expected in cases.items():
+        env = {"platform_system": system, "platform_machine": machine, "python_version": python}
+        assert Marker(marker).evaluate(env) is expected, (system, machine, python)

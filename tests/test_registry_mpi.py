@@ -1,0 +1,75 @@
+"""The registry of pending operations stays linear: many started, waited by another thread,
+some dropped (each start costs O(1) amortised, whatever is pending)."""
+
+import queue
+import threading
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from tensorplay_mpi import work as registry
+from tensorplay_mpi.comm import iallreduce
+from tensorplay_mpi.testing import assert_all
+
+OPS = 12_000  # about a second at 2 ranks here; the 30,000 case is benchmarks/bench_registry.py
+
+
+def _start_many(comm, ops, dropped_every=4):
+    """Start `ops` allreduces of ``full(4, i)``; a helper thread waits for all but every
+    `dropped_every`-th, which is dropped (at most 64 behind the starts, a pipeline: only the
+    dropped ones pile up).  Returns the results, in start order."""
+    waits: queue.Queue = queue.Queue(maxsize=64)
+    waited = []
+
+    def helper():
+        while (work := waits.get()) is not None:
+            work.wait(timeout=60)
+            waited.append(work)
+
+    thread = threading.Thread(target=helper)
+    thread.start()
+    results = []
+    try:
+        for i in range(ops):
+            recv = np.empty(4)
+            work = iallreduce(comm, np.full(4, float(i)), recv, MPI.SUM, "registry test")
+            results.append(recv)
+            if i % dropped_every != dropped_every - 1:
+                waits.put(work)
+    finally:
+        waits.put(None)
+        thread.join()
+    return results, len(waited)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_many_operations_waited_by_a_thread_and_dropped_complete_exactly_in_linear_sweeps(comm):
+    before = registry.sweep_tests()
+    results, waited = _start_many(comm, OPS)
+    swept = registry.sweep_tests() - before
+    registry.complete_pending(None, 60.0)  # the dropped ones still pending
+    wrong = [i for i, r in enumerate(results) if not (r == i * comm.size).all()]
+    assert_all(not wrong and waited == OPS - OPS // 4,
+               f"wrong sums at {wrong[:5]}, {waited} waited")
+    # Every sweep tests what is pending, at most every max(32, pending) starts: at most about
+    # two tests a start whatever piles up (a quadratic registry would test ~OPS/8 a start).
+    assert_all(swept <= 3 * OPS, f"{swept} sweep tests for {OPS} starts")
+    assert_all(registry.outstanding_requests() == 0,
+               f"{registry.outstanding_requests()} operations still pending")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_sweep_completes_dropped_operations_and_skips_none_that_are_done(comm):
+    recvs = [np.empty(2) for _ in range(100)]
+    for i, recv in enumerate(recvs):  # all dropped
+        iallreduce(comm, np.full(2, float(i)), recv, MPI.SUM, "dropped")
+    comm.Barrier()  # every rank has started them all: they can complete
+    for _ in range(1000):
+        registry.progress_pending()
+        if registry.outstanding_requests() == 0:
+            break
+    pending = registry.outstanding_requests()
+    registry.complete_pending(None, 60.0)
+    wrong = [i for i, r in enumerate(recvs) if not (r == i * comm.size).all()]
+    assert_all(pending == 0 and not wrong, f"{pending} pending after sweeps; wrong {wrong[:5]}")
