@@ -4,12 +4,11 @@ import time
 
 import numpy as np
 import pytest
-from helpers import assert_all
 from linear import make_problem, replay, train
 
 from tensorplay_mpi import DataParallel, Join
 from tensorplay_mpi.comm import outstanding_requests
-from tensorplay_mpi.testing import reset_settings
+from tensorplay_mpi.testing import assert_all, reset_settings
 
 
 def error_of(fn):

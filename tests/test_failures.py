@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import mpiexec_path, results, run_mpi
+from helpers import results
+
+from tensorplay_mpi.testing import mpiexec_path, run_mpi
 
 PROGRAM = str(Path(__file__).parent / "programs" / "failures.py")
 RANKS = [2, 3, 4]

@@ -3,8 +3,8 @@
 import os
 
 import pytest
-from helpers import run_mpi
 
+from tensorplay_mpi.testing import run_mpi
 from tensorplay_mpi.threads import choose
 
 NO_CHOICE = {"OMP_NUM_THREADS": None, "OPENBLAS_NUM_THREADS": None, "MKL_NUM_THREADS": None,
