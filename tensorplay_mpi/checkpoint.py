@@ -26,6 +26,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .agreement import agree
 from .buffers import is_device_array
 from .comm import check_comm, default_comm, iallgather, resolve_timeout
 from .guard import Guard
@@ -37,8 +38,6 @@ MANIFEST = "checkpoint.npz"
 """The name of the manifest in a checkpoint directory."""
 
 FORMAT = 1  # of the manifest; a checkpoint of another format is refused
-_ROW = 512  # bytes a rank contributes to an agreement: status, kind, value, message
-_KINDS: tuple[type[Exception], ...] = (RuntimeError, OSError, ValueError, TypeError)
 
 
 class Saved(NamedTuple):
@@ -69,30 +68,11 @@ class Resumed(NamedTuple):
 
 def _agree(comm: MPI.Intracomm, error: BaseException | None, what: str, timeout: float,
            value: int = 0) -> np.ndarray:
-    """Every rank's `value`, once every rank has told whether its part of `what` failed.
-
-    A rank whose part failed raises its own `error`; the others raise an exception of the same
-    kind naming the failed ranks and the first one's message.
-    """
-    row = np.zeros(_ROW, dtype=np.uint8)
-    row[8:16] = np.frombuffer(np.int64(value).tobytes(), dtype=np.uint8)
-    if error is not None:
-        row[0] = 1
-        row[1] = max((k for k, kind in enumerate(_KINDS) if isinstance(error, kind)), default=0)
-        text = f"{type(error).__name__}: {error}".encode()[:_ROW - 16]
-        row[16:16 + len(text)] = np.frombuffer(text, dtype=np.uint8)
-    every = np.empty((comm.Get_size(), _ROW), dtype=np.uint8)
-    iallgather(comm, row, every, what).wait_or_abort(timeout)
-    if error is not None:
-        raise error
-    failed = np.flatnonzero(every[:, 0]).tolist()
-    if failed:
-        first = every[failed[0]]
-        message = first[16:].tobytes().rstrip(b"\0").decode(errors="replace")
-        raise _KINDS[int(first[1])](
-            f"rank {comm.Get_rank()}: {what} failed on rank(s) {failed} (rank {failed[0]}: "
-            f"{message})")
-    return every[:, 8:16].copy().view(np.int64)[:, 0]
+    """Every rank's `value`, once every rank has told whether its part of `what` failed
+    (:func:`~tensorplay_mpi.agreement.agree`: a rank whose part failed raises its own `error`;
+    the others an exception of the same kind naming the failed ranks)."""
+    return agree(lambda row, every: iallgather(comm, row, every, what), comm.Get_rank(),
+                 comm.Get_size(), what, timeout, error, [value]).values[:, 0]
 
 
 # -- files ---------------------------------------------------------------------------------------

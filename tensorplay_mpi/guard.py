@@ -37,6 +37,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
+from .agreement import agree
 from .errors import CollectiveMismatchError, PeerFailureError
 from .launch import check_launch, forget_exit_status, install_excepthook
 from .settings import settings
@@ -128,16 +129,16 @@ class Guard:
             self.started += 1
 
     def _check_signatures(self, signature: str, what: str) -> None:
-        mine = np.zeros((2, _SIGNATURE_BYTES), np.uint8)
-        for row, text in enumerate((signature, what)):
-            data = text.encode()[:_SIGNATURE_BYTES]
-            mine[row, :len(data)] = np.frombuffer(data, np.uint8)
-        every = np.empty((self.size, 2, _SIGNATURE_BYTES), np.uint8)
-        Work(self.checks.Iallgather(mine, every), f"signature check before {what}",
-             (mine, every), None, self).wait_or_abort(settings().timeout)
-        if (every[:, 0] != every[0, 0]).any():
-            rows = [f"  rank {r}: {_text(every[r, 0])}  [{_text(every[r, 1])}]"
-                    for r in range(self.size)]
+        texts = agree(lambda row, every: Work(self.checks.Iallgather(row, every),
+                                              f"signature check before {what}", (row, every),
+                                              None, self),
+                      self.rank, self.size, f"signature check before {what}",
+                      settings().timeout, text=f"{signature[:_SIGNATURE_BYTES]}\n{what}",
+                      text_bytes=2 * _SIGNATURE_BYTES).texts
+        signatures = [text.partition("\n")[0] for text in texts]
+        if any(s != signatures[0] for s in signatures):
+            rows = [f"  rank {r}: {text.replace(chr(10), '  [', 1)}]"
+                    for r, text in enumerate(texts)]
             raise CollectiveMismatchError(
                 "ranks are about to issue different collectives on one communicator:\n"
                 + "\n".join(rows))
@@ -295,6 +296,3 @@ class Guard:
             self._stall.add(*message)
         return True
 
-
-def _text(row: np.ndarray) -> str:
-    return row.tobytes().rstrip(b"\0").decode(errors="replace")
