@@ -30,6 +30,7 @@ from .agreement import agree
 from .buffers import is_device_array
 from .comm import check_comm, default_comm, iallgather, resolve_timeout
 from .guard import Guard
+from .process import set_up
 from .optim import Optimizer, ZeroRedundancyOptimizer
 
 __all__ = ["save", "load", "Saved", "Resumed", "MANIFEST"]
@@ -260,6 +261,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     """
     comm = check_comm(default_comm() if comm is None else comm)
     timeout = resolve_timeout(timeout)
+    set_up(comm)
     Guard.attach(comm)
     start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -382,6 +384,7 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     """
     comm = check_comm(default_comm() if comm is None else comm)
     timeout = resolve_timeout(timeout)
+    set_up(comm)
     Guard.attach(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     path = os.path.join(os.fspath(directory), MANIFEST)

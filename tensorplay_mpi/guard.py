@@ -39,7 +39,6 @@ from mpi4py import MPI
 
 from .agreement import agree
 from .errors import CollectiveMismatchError, PeerFailureError
-from .launch import check_launch, forget_exit_status, install_excepthook
 from .settings import settings
 from .stall import ANSWER_TAG, QUERY_TAG, StallReport, answer
 from .work import Work
@@ -99,11 +98,8 @@ class Guard:
 
         Collective over `comm` the first time: every rank must call it.
         """
-        forget_exit_status()  # a sys.exit before this point was caught
         guard = cls.of(comm)
         if guard is None:
-            check_launch()
-            install_excepthook()
             guard = cls(comm)
             comm.Set_attr(_KEYVAL, guard)
         return guard

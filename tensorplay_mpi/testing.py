@@ -31,12 +31,13 @@ from mpi4py import MPI
 
 from .agreement import agree
 from .buffers import cuda_aware
-from .launch import forget_exit_status
+from .process import reset_state
 from .settings import settings
 from .work import Work, outstanding_requests
 
 __all__ = ["assert_all", "raises_everywhere", "PATTERNS", "inputs_of", "active_counts",
-           "mpiexec_path", "run_mpi", "run_at_sizes", "debug_mode", "reset_settings"]
+           "mpiexec_path", "run_mpi", "run_at_sizes", "debug_mode", "reset_settings",
+           "reset_process_state"]
 
 _verdicts: MPI.Intracomm | None = None  # COMM_WORLD's private duplicate for verdicts
 _debug_by_plugin = False  # the pytest plugin turned debug mode on
@@ -190,6 +191,19 @@ def reset_settings() -> None:
     cuda_aware.cache_clear()
 
 
+def reset_process_state() -> None:
+    """Reset all of the library's process-wide state that can be reset (the table of
+    :data:`tensorplay_mpi.process.STATE`): settings, decisions made from them, the excepthook,
+    the stop request.  The next library call sets the process up again.
+
+    Raises
+    ------
+    RuntimeError
+        If library operations are still pending (they cannot be dropped).
+    """
+    reset_state()
+
+
 # -- the pytest plugin ---------------------------------------------------------------------------
 
 
@@ -203,12 +217,6 @@ def pytest_configure(config: Any) -> None:
     if "TENSORPLAY_MPI_DEBUG" not in os.environ:
         debug_mode(True)
         _debug_by_plugin = True
-
-
-def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
-    """pytest ends with its own status: a ``sys.exit`` a test caught (argparse's, say) is not
-    the process's (see :mod:`tensorplay_mpi.launch`)."""
-    forget_exit_status()
 
 
 def _comm() -> Iterator[MPI.Intracomm]:

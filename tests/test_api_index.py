@@ -3,10 +3,13 @@
 process-wide state."""
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
 import pytest
+
+from tensorplay_mpi.process import STATE
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tensorplay_mpi"
@@ -149,3 +152,21 @@ def test_a_module_that_holds_process_wide_state_is_in_the_state_table(module):
         assert module in _state_modules(), (
             f"{module} holds process-wide state ({why}) but is not in the state table of "
             "docs/api/index.md")
+
+
+def test_the_state_table_is_the_code_s_table_of_process_wide_state():
+    rows = _table("## Process-wide state", "state")
+    shown = [(what, module.strip("`"), reset) for what, module, _, reset in rows]
+    expected = [(state.what, state.module,
+                 f"`{state.reset.replace('tensorplay_mpi.', '').replace(':', '.')}()`"
+                 if state.reset else f"— ({state.why})") for state in STATE]
+    assert shown == expected
+
+
+@pytest.mark.parametrize("reset", [state.reset for state in STATE if state.reset])
+def test_every_reset_of_the_state_table_is_a_function(reset):
+    module, _, path = reset.partition(":")
+    target = importlib.import_module(module)
+    for name in path.split("."):
+        target = getattr(target, name)
+    assert callable(target)

@@ -11,8 +11,7 @@ from mpi4py import MPI
 from ..agreement import agree
 from ..comm import Work, check_comm, default_comm, iallgather, resolve_timeout
 from ..guard import Guard
-from ..settings import settings
-from ..threads import limit_threads
+from ..process import set_up
 from .join import Joinable
 
 __all__ = ["GuardedJoinable"]
@@ -49,9 +48,8 @@ class GuardedJoinable(Joinable):
         self.comm = check_comm(default_comm() if comm is None else comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.device = device
-        settings()  # a bad environment value raises here, before anything starts
+        set_up(self.comm)  # a bad environment value raises here, before anything starts
         self._guard = Guard.attach(self.comm)  # collective first: a bad timeout on one rank
-        limit_threads(self.comm)  # must not leave the others waiting in it
         self.timeout = resolve_timeout(timeout)
 
     def _wait(self, work: Work) -> Any:

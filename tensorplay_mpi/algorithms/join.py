@@ -29,9 +29,8 @@ from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
 from ..guard import Guard
-from ..settings import settings
+from ..process import set_up
 from ..stopping import stop_requested
-from ..threads import limit_threads
 from ..work import complete_pending
 
 __all__ = ["Join", "Joinable", "JoinHook"]
@@ -323,9 +322,8 @@ class Join:
                     "two Joins cannot share a joinable"
                 )
         self._entered = True
-        settings()  # a bad environment value raises here, before anything starts
+        set_up(self._comm)  # a bad environment value raises here, before anything starts
         self._guard = Guard.attach(self._comm)
-        limit_threads(self._comm)
         for joinable in self._joinables:
             joinable._bind_join(self)
         return self
