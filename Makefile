@@ -127,8 +127,11 @@ docs: venv  ## the documentation site in docs/_build/html, warnings as errors
 slurm-test: venv  ## the sbatch templates on a real one-node Slurm (root)
 	bash tests/slurm/slurm-test.sh $(VENV)
 
-demo: $(VENV)/.demo  ## data-parallel training on uneven shards at 4 ranks
-	$(MPIEXEC) -n 4 $(PY) -m mpi4py -m tensorplay_mpi.examples.train
+# The demo at RANKS ranks when given (make demo RANKS=4), else 2: a 2-core laptop is not
+# oversubscribed.
+DEMO_RANKS = $(if $(filter command line environment,$(origin RANKS)),$(firstword $(RANKS)),2)
+demo: $(VENV)/.demo  ## data-parallel training on uneven shards at RANKS ranks (default 2)
+	$(MPIEXEC) -n $(DEMO_RANKS) $(PY) -m mpi4py -m tensorplay_mpi.examples.train
 
 # ruff (configured in pyproject.toml) over the code, mypy over the package.
 lint: $(VENV)/.lint  ## ruff and mypy (configured in pyproject.toml)

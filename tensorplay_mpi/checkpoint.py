@@ -28,11 +28,13 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .agreement import agree
 from .algorithms.join import running_join
 from .buffers import is_device_array
 from .checkpoint_meta import check_config, check_savable, encode_config
 from .comm import check_comm, default_comm, iallgather, resolve_timeout
 from .guard import Guard
+from .process import set_up
 from .replicas import digest
 from .stopping import clear_save
 from .optim import Optimizer, ZeroRedundancyOptimizer
@@ -45,8 +47,6 @@ MANIFEST = "checkpoint.npz"
 """The name of the manifest in a checkpoint directory."""
 
 FORMAT = 1  # of the manifest; a checkpoint of another format is refused
-_ROW = 512  # bytes a rank contributes to an agreement: status, kind, value, message
-_KINDS: tuple[type[Exception], ...] = (RuntimeError, OSError, ValueError, TypeError)
 
 
 class Saved(NamedTuple):
@@ -100,30 +100,11 @@ def _refuse_inside_join(what: str) -> None:
 
 def _agree(comm: MPI.Intracomm, error: BaseException | None, what: str, timeout: float,
            value: int = 0) -> np.ndarray:
-    """Every rank's `value`, once every rank has told whether its part of `what` failed.
-
-    A rank whose part failed raises its own `error`; the others raise an exception of the same
-    kind naming the failed ranks and the first one's message.
-    """
-    row = np.zeros(_ROW, dtype=np.uint8)
-    row[8:16] = np.frombuffer(np.int64(value).tobytes(), dtype=np.uint8)
-    if error is not None:
-        row[0] = 1
-        row[1] = max((k for k, kind in enumerate(_KINDS) if isinstance(error, kind)), default=0)
-        text = f"{type(error).__name__}: {error}".encode()[:_ROW - 16]
-        row[16:16 + len(text)] = np.frombuffer(text, dtype=np.uint8)
-    every = np.empty((comm.Get_size(), _ROW), dtype=np.uint8)
-    iallgather(comm, row, every, what).wait_or_abort(timeout)
-    if error is not None:
-        raise error
-    failed = np.flatnonzero(every[:, 0]).tolist()
-    if failed:
-        first = every[failed[0]]
-        message = first[16:].tobytes().rstrip(b"\0").decode(errors="replace")
-        raise _KINDS[int(first[1])](
-            f"rank {comm.Get_rank()}: {what} failed on rank(s) {failed} (rank {failed[0]}: "
-            f"{message})")
-    return every[:, 8:16].copy().view(np.int64)[:, 0]
+    """Every rank's `value`, once every rank has told whether its part of `what` failed
+    (:func:`~tensorplay_mpi.agreement.agree`: a rank whose part failed raises its own `error`;
+    the others an exception of the same kind naming the failed ranks)."""
+    return agree(lambda row, every: iallgather(comm, row, every, what), comm.Get_rank(),
+                 comm.Get_size(), what, timeout, error, [value]).values[:, 0]
 
 
 # -- files ---------------------------------------------------------------------------------------
@@ -332,6 +313,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     _refuse_inside_join("save")
     comm = check_comm(default_comm() if comm is None else comm)
     timeout = resolve_timeout(timeout)
+    set_up(comm)
     params, buffers = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
     Guard.attach(comm)
     start = time.perf_counter()
@@ -487,6 +469,7 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     _refuse_inside_join("load")
     comm = check_comm(default_comm() if comm is None else comm)
     timeout = resolve_timeout(timeout)
+    set_up(comm)
     params, buffers = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
     Guard.attach(comm)
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -37,8 +37,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
+from .agreement import agree
 from .errors import CollectiveMismatchError, PeerFailureError
-from .launch import check_launch, forget_exit_status, install_excepthook
 from .settings import settings
 from .stall import ANSWER_TAG, QUERY_TAG, StallReport, answer
 from .work import Work
@@ -99,11 +99,8 @@ class Guard:
 
         Collective over `comm` the first time: every rank must call it.
         """
-        forget_exit_status()  # a sys.exit before this point was caught
         guard = cls.of(comm)
         if guard is None:
-            check_launch()
-            install_excepthook()
             guard = cls(comm)
             comm.Set_attr(_KEYVAL, guard)
         return guard
@@ -129,16 +126,16 @@ class Guard:
             self.started += 1
 
     def _check_signatures(self, signature: str, what: str) -> None:
-        mine = np.zeros((2, _SIGNATURE_BYTES), np.uint8)
-        for row, text in enumerate((signature, what)):
-            data = text.encode()[:_SIGNATURE_BYTES]
-            mine[row, :len(data)] = np.frombuffer(data, np.uint8)
-        every = np.empty((self.size, 2, _SIGNATURE_BYTES), np.uint8)
-        Work(self.checks.Iallgather(mine, every), f"signature check before {what}",
-             (mine, every), None, self).wait_or_abort(settings().timeout)
-        if (every[:, 0] != every[0, 0]).any():
-            rows = [f"  rank {r}: {_text(every[r, 0])}  [{_text(every[r, 1])}]"
-                    for r in range(self.size)]
+        texts = agree(lambda row, every: Work(self.checks.Iallgather(row, every),
+                                              f"signature check before {what}", (row, every),
+                                              None, self),
+                      self.rank, self.size, f"signature check before {what}",
+                      settings().timeout, text=f"{signature[:_SIGNATURE_BYTES]}\n{what}",
+                      text_bytes=2 * _SIGNATURE_BYTES).texts
+        signatures = [text.partition("\n")[0] for text in texts]
+        if any(s != signatures[0] for s in signatures):
+            rows = [f"  rank {r}: {text.replace(chr(10), '  [', 1)}]"
+                    for r, text in enumerate(texts)]
             raise CollectiveMismatchError(
                 "ranks are about to issue different collectives on one communicator:\n"
                 + "\n".join(rows))
@@ -297,6 +294,3 @@ class Guard:
             self._stall.add(*message)
         return True
 
-
-def _text(row: np.ndarray) -> str:
-    return row.tobytes().rstrip(b"\0").decode(errors="replace")

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from . import __version__
 from .buffers import cuda_aware, loaded_libmpi
-from .launch import check_launch
+from .process import check_launch
 from .threads import decision, limit_threads
 
 __all__ = ["report", "rank_facts"]

@@ -38,7 +38,8 @@ from typing import Any, NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from .algorithms.guarded_joinable import REFUSALS, GuardedJoinable, refusal_code
+from .agreement import KINDS, kind_code
+from .algorithms.guarded_joinable import GuardedJoinable
 from .algorithms.join import Join, JoinHook
 from .buffers import device_of, misordered, zeros_like
 from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_name
@@ -277,7 +278,7 @@ class JoinableComm(GuardedJoinable):
     def _refuse(self, error: Exception) -> NoReturn:
         """Raise `error`, a bad argument; when ranks have joined, announce it to them first."""
         if self._announces():
-            self._announce(_REFUSED, refusal_code(error))  # the code in the op field
+            self._announce(_REFUSED, kind_code(error))  # the code in the op field
         raise error
 
     def _announce(self, kind: int, op: int = 0, code: int = 0, root: int = -1, count: int = 0,
@@ -320,7 +321,7 @@ class JoinableComm(GuardedJoinable):
         data = kind in (_ALLREDUCE, _ALLGATHER, _BCAST, _CARRIED_ALLREDUCE, _CARRIED_BCAST)
         reduces = kind in (_ALLREDUCE, _CARRIED_ALLREDUCE)
         if not ((data or kind in (_END, _REFUSED)) and (not data or 1 <= code <= len(_DTYPES))
-                and 0 <= op <= (len(OPS) if reduces else len(REFUSALS))
+                and 0 <= op <= (len(OPS) if reduces else len(KINDS))
                 and (not (reduces or kind == _REFUSED) or op > 0) and -1 <= root < self.size
                 and count >= 0):
             raise RuntimeError(f"rank {self.rank}: the {what} is invalid: {values}")
@@ -590,9 +591,9 @@ class _FollowAnnouncements(JoinHook):
                 _check_root(root, root == -1 or root_active == 1)
                 continue
             if kind == _REFUSED:
-                raise REFUSALS[op - 1](
+                raise KINDS[op - 1](
                     f"rank {jc.rank}: the active ranks' JoinableComm call in {jc._where} had a "
-                    f"bad argument (they raised {REFUSALS[op - 1].__name__})")
+                    f"bad argument (they raised {KINDS[op - 1].__name__})")
             dtype = _DTYPES[code - 1]
             if kind == _ALLREDUCE:
                 contribution, received = self._shadow_buffers(op, count, dtype)

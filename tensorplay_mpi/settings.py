@@ -1,16 +1,5 @@
 """Every ``TENSORPLAY_MPI_*`` environment variable, parsed once and validated in one place.
 
-variable                        meaning                                  default
-==============================  =======================================  =========
-``TENSORPLAY_MPI_TIMEOUT``      seconds a library wait may take          ``1800``
-``TENSORPLAY_MPI_STALL``        seconds until a wait is reported, 0 off  ``60``
-``TENSORPLAY_MPI_GRACE``        seconds the failure agreement may take   ``10``
-``TENSORPLAY_MPI_DEBUG``        collective signature checks              ``0``
-``TENSORPLAY_MPI_CUDA_AWARE``   device pointers to MPI: auto, 0 or 1     ``auto``
-``TENSORPLAY_MPI_EXCEPTHOOK``   abort the job on an uncaught exception   ``1``
-``TENSORPLAY_MPI_THREADS``      BLAS threads per rank: keep or a number  automatic
-==============================  =======================================  =========
-=======
 ==============================  ========================================  =========
 variable                        meaning                                   default
 ==============================  ========================================  =========
@@ -20,8 +9,9 @@ variable                        meaning                                   defaul
 ``TENSORPLAY_MPI_DEBUG``        collective signature checks               ``0``
 ``TENSORPLAY_MPI_CUDA_AWARE``   device pointers to MPI: auto, 0 or 1      ``auto``
 ``TENSORPLAY_MPI_EXCEPTHOOK``   abort the job on an uncaught exception    ``1``
-``TENSORPLAY_MPI_THREADS``      BLAS threads per rank: keep or a number   automatic
+``TENSORPLAY_MPI_THREADS``      BLAS threads per rank: auto, keep or N    ``auto``
 ``TENSORPLAY_MPI_FUSED``        fused optimizer steps: auto, 0 or 1       ``auto``
+``TENSORPLAY_MPI_PERSISTENT``   persistent collectives: auto, 0 or 1      ``auto``
 ==============================  ========================================  =========
 
 The timeout and the stall report cover the library's own waits: a rank blocked in a library

@@ -29,31 +29,39 @@ from typing import Any, Callable, Iterator, Sequence
 
 from mpi4py import MPI
 
-from .launch import forget_exit_status
+from .agreement import agree
 from .buffers import cuda_aware
+from .process import reset_state
 from .settings import settings
-from .work import outstanding_requests
+from .work import Work, outstanding_requests
 
 __all__ = ["assert_all", "raises_everywhere", "PATTERNS", "inputs_of", "active_counts",
-           "mpiexec_path", "run_mpi", "run_at_sizes", "debug_mode", "reset_settings"]
+           "mpiexec_path", "run_mpi", "run_at_sizes", "debug_mode", "reset_settings",
+           "reset_process_state"]
 
 _verdicts: MPI.Intracomm | None = None  # COMM_WORLD's private duplicate for verdicts
 _debug_by_plugin = False  # the pytest plugin turned debug mode on
+_DETAIL_BYTES = 4096  # of a failed verdict's detail that the other ranks quote
 
 
 def assert_all(ok: Any, detail: Any = "") -> None:
     """Fail on every rank if `ok` is false on any rank, naming those ranks and their `detail`.
 
-    Collective over ``COMM_WORLD``: every rank must call it at the same point.
+    Collective over ``COMM_WORLD``: every rank must call it at the same point.  The verdicts
+    meet through :func:`~tensorplay_mpi.agreement.agree`: a rank whose `ok` is false raises
+    ``AssertionError("rank R: DETAIL")``; the others an ``AssertionError`` naming the failed
+    ranks and quoting their details.
     """
     global _verdicts
     if _verdicts is None:
-        # A private duplicate: these blocking verdicts never meet a library collective.
+        # A private duplicate: these verdicts never meet a library collective.
         _verdicts = MPI.COMM_WORLD.Dup()
-    verdicts = _verdicts.allgather((bool(ok), str(detail)))
-    bad = [f"rank {r}: {d}" for r, (good, d) in enumerate(verdicts) if not good]
-    if bad:
-        raise AssertionError("; ".join(bad))
+    verdicts = _verdicts
+    rank = verdicts.Get_rank()
+    error = None if ok else AssertionError(f"rank {rank}: {detail}")
+    agree(lambda row, every: Work(verdicts.Iallgather(row, every), "test verdict", (row, every)),
+          rank, verdicts.Get_size(), "test verdict", settings().timeout, error,
+          text_bytes=_DETAIL_BYTES)
 
 
 class RaisedInfo:
@@ -183,6 +191,19 @@ def reset_settings() -> None:
     cuda_aware.cache_clear()
 
 
+def reset_process_state() -> None:
+    """Reset all of the library's process-wide state that can be reset (the table of
+    :data:`tensorplay_mpi.process.STATE`): settings, decisions made from them, the excepthook,
+    the stop request.  The next library call sets the process up again.
+
+    Raises
+    ------
+    RuntimeError
+        If library operations are still pending (they cannot be dropped).
+    """
+    reset_state()
+
+
 # -- the pytest plugin ---------------------------------------------------------------------------
 
 
@@ -196,12 +217,6 @@ def pytest_configure(config: Any) -> None:
     if "TENSORPLAY_MPI_DEBUG" not in os.environ:
         debug_mode(True)
         _debug_by_plugin = True
-
-
-def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
-    """pytest ends with its own status: a ``sys.exit`` a test caught (argparse's, say) is not
-    the process's (see :mod:`tensorplay_mpi.launch`)."""
-    forget_exit_status()
 
 
 def _comm() -> Iterator[MPI.Intracomm]:

@@ -25,9 +25,9 @@ from typing import Mapping
 
 from mpi4py import MPI
 
-from .settings import threads_setting
+from .settings import settings
 
-__all__ = ["limit_threads", "decision", "choose"]
+__all__ = ["limit_threads", "decision", "choose", "forget_decision"]
 
 USER_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 """Set by the user, any of these keeps the libraries' thread counts."""
@@ -43,19 +43,16 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def choose(environ: Mapping[str, str], cores: int,
+def choose(setting: int | str, environ: Mapping[str, str], cores: int,
            local_ranks: int | None) -> tuple[int | None, str]:
-    """The thread limit (``None``: keep) and why, from the environment and the node's layout.
+    """The thread limit (``None``: keep) and why, from the setting, the environment and the
+    node's layout.
 
-    `local_ranks` may be ``None`` (not counted yet); the automatic limit then stays undecided,
-    returned as ``(None, "")``.
-
-    Raises
-    ------
-    ValueError
-        If ``TENSORPLAY_MPI_THREADS`` is neither ``keep`` nor a positive integer.
+    `setting` is :attr:`Settings.threads <tensorplay_mpi.settings.Settings.threads>`
+    (``"auto"``, ``"keep"`` or a number); `environ` is looked at for the BLAS libraries' own
+    variables only.  `local_ranks` may be ``None`` (not counted yet); the automatic limit then
+    stays undecided, returned as ``(None, "")``.
     """
-    setting = threads_setting(environ.get("TENSORPLAY_MPI_THREADS"))
     if setting == "keep":
         return None, "kept (TENSORPLAY_MPI_THREADS=keep)"
     if isinstance(setting, int):
@@ -89,7 +86,8 @@ def _count_local_ranks(comm: MPI.Intracomm | None) -> int | None:
         node.Free()
 
 
-def limit_threads(comm: MPI.Intracomm | None = None, notice: bool = True) -> None:
+def limit_threads(comm: MPI.Intracomm | None = None, notice: bool = True,
+                  setting: int | str | None = None) -> None:
     """Limit the BLAS/OpenMP threads of this process once (see the module docstring).
 
     Parameters
@@ -100,6 +98,9 @@ def limit_threads(comm: MPI.Intracomm | None = None, notice: bool = True) -> Non
         (``None``: not a collective call) the automatic limit waits for such a call.
     notice : bool, default True
         Whether rank 0 prints what it changed (``info`` shows it in its report instead).
+    setting : int or str, optional
+        ``"auto"``, ``"keep"`` or a number of threads; default ``settings().threads``
+        (``TENSORPLAY_MPI_THREADS``).
 
     Raises
     ------
@@ -111,13 +112,15 @@ def limit_threads(comm: MPI.Intracomm | None = None, notice: bool = True) -> Non
         _local_ranks = _count_local_ranks(comm)
     if _decision is not None:
         return
-    limit, why = choose(os.environ, usable_cores(), _local_ranks)
+    if setting is None:
+        setting = settings().threads
+    limit, why = choose(setting, os.environ, usable_cores(), _local_ranks)
     if not why:
         return
     _decision = why
     if limit is None:
         return
-    asked = "TENSORPLAY_MPI_THREADS" in os.environ  # then set, else only lowered
+    asked = isinstance(setting, int)  # then set, else only lowered
     lowered, kept = _apply(limit, lower_only=not asked)
     _decision = "; ".join([why] + [f"{verb} {', '.join(what)}" for verb, what in
                                    (("lowered", lowered), ("kept", kept)) if what])
@@ -141,6 +144,13 @@ def _apply(limit: int, lower_only: bool) -> tuple[list[str], list[str]]:
         library.set_num_threads(limit)
         lowered.append(f"{name} {threads} -> {limit}")
     return lowered, kept
+
+
+def forget_decision() -> None:
+    """Forget the decision (not the limits applied): the next :func:`limit_threads` decides
+    again, from the settings as they are then."""
+    global _local_ranks, _decision
+    _local_ranks = _decision = None
 
 
 def decision() -> str:

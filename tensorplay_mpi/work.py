@@ -15,7 +15,6 @@ testing it skips it.  Under a lower thread level, use the library from one threa
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import sys
@@ -30,7 +29,7 @@ from .errors import CollectiveTimeoutError
 from .settings import settings
 
 __all__ = ["Work", "Poller", "outstanding_requests", "progress_pending", "sweep_tests",
-           "complete_pending", "report_and_abort"]
+           "complete_pending", "complete_all_at_exit", "report_and_abort"]
 
 # A wait spins on MPI_Test while data may be moving (a nonblocking collective progresses only
 # inside MPI calls): 1 ms plus 4 ms per MB of its buffers.  Then it sleeps between tests, 10 us
@@ -323,8 +322,9 @@ def complete_pending(poller: Poller | None, timeout: float) -> None:
         work.wait_or_abort(timeout)
 
 
-def _complete_all_at_exit() -> None:
-    """Before MPI finalizes: complete what is still pending, or end the job if it cannot."""
+def complete_all_at_exit() -> None:
+    """Before MPI finalizes: complete what is still pending, or end the job if it cannot
+    (the exit hook that :mod:`tensorplay_mpi.process` registers)."""
     if not _pending or MPI.Is_finalized():
         return
     deadline = time.monotonic() + settings().grace
@@ -338,5 +338,3 @@ def _complete_all_at_exit() -> None:
             f"rank {MPI.COMM_WORLD.Get_rank()}: the process exits with {len(_pending)} library "
             f"operation(s) {why} ({work.what} first); aborting so that the job ends"))
 
-
-atexit.register(_complete_all_at_exit)  # after mpi4py's own: runs before MPI_Finalize

@@ -6,9 +6,9 @@
    ``mpiexec -n N python -m mpi4py`` at N = 1 to 4 (``make test-mpi``), verdicts gathered so
    every rank passes or fails together;
 3. launched programs: ``tests/programs/*.py``, started by a serial test under ``mpiexec`` with a
-   hard timeout (``helpers.run_mpi``) for what cannot happen inside pytest (aborts, signals,
-   killed ranks, exit codes); each rank prints ``RESULT rank=R ...`` lines that
-   ``helpers.results`` reads.
+   hard timeout (``tensorplay_mpi.testing.run_mpi``) for what cannot happen inside pytest
+   (aborts, signals, killed ranks, exit codes); each rank prints ``RESULT rank=R ...`` lines
+   that ``helpers.results`` reads.
 
 The tensorplay_mpi.testing plugin (``-p`` in pyproject.toml) gives the ``comm`` fixture, a fresh
 duplicate of ``COMM_WORLD`` per test that must end with no pending request, and debug mode
@@ -16,6 +16,7 @@ duplicate of ``COMM_WORLD`` per test that must end with no pending request, and 
 
 import pytest
 
+from tensorplay_mpi import clear_stop
 from tensorplay_mpi.testing import reset_settings
 
 
@@ -25,3 +26,11 @@ def settings_from_the_environment():
     reset_settings()
     yield
     reset_settings()
+
+
+@pytest.fixture(autouse=True)
+def no_stop_left():
+    """Every test starts and ends with no stop request pending in this process."""
+    clear_stop()
+    yield
+    clear_stop()

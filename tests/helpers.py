@@ -1,15 +1,11 @@
-"""Test helpers: the public ones of tensorplay_mpi.testing, under the names the tests import,
-and the parsing of the programs' RESULT lines."""
+"""Helpers of this suite's own: the parsing of the programs' RESULT lines, comparisons and
+measurements.  The public test helpers (``assert_all``, ``run_mpi``, ...) are imported from
+:mod:`tensorplay_mpi.testing` directly."""
 
 import os
 import re
 
-from tensorplay_mpi.testing import (PATTERNS, active_counts, assert_all, inputs_of, mpiexec_path,
-                                    raises_everywhere, run_at_sizes, run_mpi)
-
-__all__ = ["assert_all", "raises_everywhere", "PATTERNS", "inputs_of", "active_counts",
-           "mpiexec_path", "run_mpi", "run_at_sizes", "results", "UNEVEN", "gathered_equal",
-           "rss_bytes", "buckets_of"]
+__all__ = ["results", "UNEVEN", "gathered_equal", "rss_bytes", "buckets_of"]
 
 
 _LABELS = ("RESULT", "WENT ON", "FOLLOWUP")

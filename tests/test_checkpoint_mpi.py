@@ -4,10 +4,11 @@ import os
 
 import numpy as np
 import pytest
-from helpers import assert_all, gathered_equal, inputs_of, raises_everywhere
+from helpers import gathered_equal
 from linear import gradient, initial_params, make_problem, rank_batches
 
 from tensorplay_mpi import Adam, DataParallel, Join, ZeroRedundancyOptimizer, checkpoint
+from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 
 def shared_dir(comm, tmp_path):

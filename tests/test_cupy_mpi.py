@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
-from helpers import UNEVEN, assert_all, inputs_of
+from helpers import UNEVEN
 from linear import make_problem, train
 from mpi4py import MPI
 
 from tensorplay_mpi import Adam, Join, ZeroRedundancyOptimizer, buffers
-from tensorplay_mpi.testing import reset_settings
+from tensorplay_mpi.testing import assert_all, inputs_of, reset_settings
 
 cupy = pytest.importorskip("cupy")
 try:

@@ -3,7 +3,9 @@
 from pathlib import Path
 
 import pytest
-from helpers import results, run_mpi
+from helpers import results
+
+from tensorplay_mpi.testing import run_mpi
 
 PROGRAMS = Path(__file__).parent / "programs"
 

@@ -4,12 +4,11 @@ import time
 
 import numpy as np
 import pytest
-from helpers import assert_all
 from linear import make_problem, replay, train
 
 from tensorplay_mpi import DataParallel, Join
 from tensorplay_mpi.comm import outstanding_requests
-from tensorplay_mpi.testing import reset_settings
+from tensorplay_mpi.testing import assert_all, reset_settings
 
 
 def error_of(fn):
@@ -47,14 +46,16 @@ def test_a_read_only_param_on_a_non_root_rank_fails_on_every_rank(comm):
     if comm.rank == 1:
         expect_everywhere(error, ValueError, "params[0] is read-only")
     else:
-        expect_everywhere(error, ValueError, "rank(s) [1] refused their DataParallel arguments")
+        expect_everywhere(error, ValueError, "DataParallel argument check failed on rank(s) [1] "
+                                             "(rank 1: ValueError: params[0] is read-only")
 
 
 @pytest.mark.mpi(min_size=2)
 def test_int_params_on_one_rank_fail_on_every_rank(comm):
     param = np.zeros(3, dtype=np.int64 if comm.rank == 0 else np.float64)
     error = error_of(lambda: DataParallel([param], comm=comm))
-    text = "must be float32 or float64" if comm.rank == 0 else "rank(s) [0] refused"
+    text = ("must be float32 or float64" if comm.rank == 0 else
+            "DataParallel argument check failed on rank(s) [0] (rank 0: TypeError: ")
     expect_everywhere(error, TypeError, text)
 
 
@@ -63,7 +64,8 @@ def test_a_bad_broadcast_from_on_one_rank_fails_on_every_rank(comm):
     root = 0.5 if comm.rank == comm.size - 1 else 0
     error = error_of(lambda: DataParallel([np.zeros(2)], comm=comm, broadcast_from=root))
     expect_everywhere(error, TypeError, "broadcast_from must be an int rank, got 0.5"
-                      if comm.rank == comm.size - 1 else "refused their DataParallel arguments")
+                      if comm.rank == comm.size - 1 else
+                      f"DataParallel argument check failed on rank(s) [{comm.size - 1}]")
 
 
 @pytest.mark.mpi(min_size=2)

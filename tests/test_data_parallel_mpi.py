@@ -2,10 +2,12 @@
 
 import numpy as np
 import pytest
-from helpers import UNEVEN, assert_all, buckets_of, gathered_equal, inputs_of, raises_everywhere
+from helpers import UNEVEN, buckets_of, gathered_equal
 from linear import make_problem, replay, train
 
 from tensorplay_mpi import DataParallel, Join
+from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
+
 
 def close(params, expected, rtol):
     return all(np.allclose(p, e, rtol=rtol, atol=0) for p, e in zip(params, expected))

@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import run_mpi
+
+from tensorplay_mpi.testing import run_mpi
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

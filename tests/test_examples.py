@@ -5,11 +5,11 @@ import re
 
 import numpy as np
 import pytest
-from helpers import run_mpi
 from mpi4py import MPI
 
 from tensorplay_mpi import Join
 from tensorplay_mpi.examples.uneven_mean import make_data
+from tensorplay_mpi.testing import run_mpi
 
 RANKS = [1, 2, 3, 4]
 

@@ -11,7 +11,9 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import results, run_mpi
+from helpers import results
+
+from tensorplay_mpi.testing import run_mpi
 
 PROGRAM = str(Path(__file__).parent / "programs" / "failure_points.py")
 _OWN = re.compile(r"KeyError: 'injected on rank \d+ before collective (\d+) ")

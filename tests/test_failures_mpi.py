@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import active_counts, assert_all, raises_everywhere, rss_bytes
+from helpers import rss_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
@@ -14,7 +14,7 @@ from toys import AllReducer, run
 from tensorplay_mpi import (CollectiveMismatchError, DataParallel, Join, JoinableComm,
                             PeerFailureError)
 from tensorplay_mpi.comm import iallreduce, outstanding_requests
-from tensorplay_mpi.testing import reset_settings
+from tensorplay_mpi.testing import active_counts, assert_all, raises_everywhere, reset_settings
 from tensorplay_mpi.work import progress_pending
 
 

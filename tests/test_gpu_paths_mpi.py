@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 from fake_device import Counters, FakeDeviceArray, on_device, use_mode
-from helpers import UNEVEN, assert_all, gathered_equal, inputs_of
+from helpers import UNEVEN, gathered_equal
 from linear import make_problem, train
 
 from tensorplay_mpi import Adam, DataParallel, Join, ZeroRedundancyOptimizer
+from tensorplay_mpi.testing import assert_all, inputs_of
 
 
 @pytest.mark.mpi

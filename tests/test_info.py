@@ -5,10 +5,11 @@ import re
 import subprocess
 import sys
 
-from helpers import run_mpi
+import pytest
 from mpi4py import MPI
 
 from tensorplay_mpi.info import COLUMNS
+from tensorplay_mpi.testing import run_mpi
 
 
 def table_rows(stdout):
@@ -34,7 +35,33 @@ def test_every_rank_has_a_row_in_one_table():
     assert all(version in row for row in rows)
     assert all(re.search(r"\(1\)", row[COLUMNS.index("BLAS (threads)")]) for row in rows), rows
     assert "BLAS/OpenMP threads: 1 per rank (TENSORPLAY_MPI_THREADS=1)" in result.stdout
-    assert "CUDA-aware: no (the MPI library reports no CUDA support" in result.stdout
+    # Unforced, the answer comes from the MPI library (a yes from MPI 4.1's memory kinds when
+    # they name cuda), and every rank's column agrees with it.
+    answer = re.search(r"^CUDA-aware: (yes|no) \((.*)\)$", result.stdout, re.M)
+    assert answer, result.stdout
+    assert answer[2].startswith("the MPI library"), answer[0]
+    assert {row[COLUMNS.index("CUDA-aware")] for row in rows} == {answer[1]}
+    if "cuda" in _memory_alloc_kinds():
+        assert answer[1] == "yes", answer[0]
+
+
+def _memory_alloc_kinds():
+    """MPI 4.1's ``mpi_memory_alloc_kinds`` of COMM_WORLD, as this MPI library reports it."""
+    info = MPI.COMM_WORLD.Get_info()
+    try:
+        return info.Get("mpi_memory_alloc_kinds") or ""
+    finally:
+        info.Free()
+
+
+@pytest.mark.parametrize("forced, said", [("0", "no"), ("1", "yes")])
+def test_a_forced_cuda_awareness_is_reported_as_forced(forced, said):
+    env = {"TENSORPLAY_MPI_CUDA_AWARE": forced, "TENSORPLAY_MPI_THREADS": "keep"}
+    result = subprocess.run([sys.executable, "-m", "tensorplay_mpi.info"], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, **env})
+    assert result.returncode == 0, result.stderr
+    assert f"CUDA-aware: {said} (forced by TENSORPLAY_MPI_CUDA_AWARE={forced}" in result.stdout
+    assert [row[COLUMNS.index("CUDA-aware")] for row in table_rows(result.stdout)] == [said]
 
 
 def test_a_singleton_launch_of_several_tasks_gets_the_launch_warning():

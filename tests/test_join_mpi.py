@@ -5,11 +5,11 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import PATTERNS, active_counts, assert_all, inputs_of
 from toys import AFTER_CONSTANT, AllReducer, run
 
 from tensorplay_mpi import EarlyTerminationError, Join
 from tensorplay_mpi.comm import iallreduce
+from tensorplay_mpi.testing import PATTERNS, active_counts, assert_all, inputs_of
 
 
 @pytest.mark.mpi

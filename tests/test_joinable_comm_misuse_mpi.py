@@ -5,11 +5,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_all, raises_everywhere, results, rss_bytes, run_mpi
+from helpers import results, rss_bytes
 from mpi4py import MPI
 
 from tensorplay_mpi import Join, JoinableComm
 from tensorplay_mpi.joinable_comm import _digest
+from tensorplay_mpi.testing import assert_all, raises_everywhere, run_mpi
 
 PROGRAM = str(Path(__file__).parent / "programs" / "jc_misuse.py")
 MODES = ["every rank active", "rank 0 joined"]

@@ -5,11 +5,12 @@ import functools
 import numpy as np
 import pytest
 from fake_device import FakeDeviceArray, on_device, use_mode
-from helpers import UNEVEN, assert_all, inputs_of, raises_everywhere
+from helpers import UNEVEN
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join, JoinableComm, Work
 from tensorplay_mpi.joinable_comm import _from_keys, _keys, identity
+from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 NUMPY_OPS = {"SUM": np.add, "PROD": np.multiply, "MAX": np.maximum, "MIN": np.minimum,
              "LAND": np.logical_and, "LOR": np.logical_or, "BAND": np.bitwise_and,

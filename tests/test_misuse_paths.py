@@ -6,12 +6,13 @@ import pickle
 
 import numpy as np
 import pytest
-from helpers import results, run_mpi
+from helpers import results
 from mpi4py import MPI
 
 from tensorplay_mpi import SGD, Adam, AdamW
 from tensorplay_mpi.comm import iallgather, iallreduce, ibcast, irecv, isend
 from tensorplay_mpi.optim import clip_grad_norm
+from tensorplay_mpi.testing import run_mpi
 
 # -- clipping float32 --------------------------------------------------------------------------
 

@@ -5,10 +5,10 @@ import gc
 
 import numpy as np
 import pytest
-from helpers import assert_all, inputs_of, raises_everywhere
 from mpi4py import MPI
 
 from tensorplay_mpi import SGD, Adam, DataParallel, Join, JoinableComm
+from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 
 def uneven_steps(comm, dp, steps, work):

@@ -2,12 +2,13 @@
 
 import numpy as np
 import pytest
-from helpers import UNEVEN, assert_all, inputs_of, raises_everywhere
+from helpers import UNEVEN
 from linear import gradient, initial_params, make_problem, rank_batches
 from textbook import optimizer, step
 
 from tensorplay_mpi import Adam, DataParallel, Join, ZeroRedundancyOptimizer
 from tensorplay_mpi.optim import SGD, clip_grad_norm
+from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 KINDS = ["sgd_momentum", "sgd_nesterov", "adam", "adamw"]
 

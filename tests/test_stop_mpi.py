@@ -6,20 +6,13 @@ import time
 
 import numpy as np
 import pytest
-from helpers import assert_all, gathered_equal
+from helpers import gathered_equal
 
 from tensorplay_mpi import (SGD, DataParallel, Join, clear_stop, request_stop, stop_on_signals,
                             stop_requested)
 from tensorplay_mpi.comm import outstanding_requests
 from tensorplay_mpi.guard import Guard
-from tensorplay_mpi.testing import reset_settings
-
-
-@pytest.fixture(autouse=True)
-def no_stop_left():
-    clear_stop()
-    yield
-    clear_stop()
+from tensorplay_mpi.testing import assert_all, reset_settings
 
 
 def train(comm, inputs, stop_at=None, stopper=0, how="call"):

@@ -5,9 +5,9 @@ import os
 import re
 
 import pytest
-from helpers import run_mpi
 
 from tensorplay_mpi.examples.train import STOPPED
+from tensorplay_mpi.testing import run_mpi
 
 DEMO = ["--epochs", "2", "--hidden", "16", "--min-accuracy", "0"]
 STOP_DEMO = os.path.join(os.path.dirname(__file__), "programs", "stop_demo.py")

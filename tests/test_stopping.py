@@ -9,13 +9,6 @@ import pytest
 from tensorplay_mpi import clear_stop, request_stop, stop_on_signals, stop_requested
 
 
-@pytest.fixture(autouse=True)
-def no_stop_left():
-    clear_stop()
-    yield
-    clear_stop()
-
-
 def test_a_signal_inside_the_block_is_a_request_and_the_handlers_come_back():
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     with stop_on_signals():

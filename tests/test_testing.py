@@ -51,7 +51,10 @@ def test_raises_everywhere_fails_on_every_rank_naming_the_odd_rank(comm, rank1_r
                 raise ValueError("bad")
             if rank1_raises is not None:
                 raise rank1_raises("boom")
-    assert_all(str(failed.value) == detail, str(failed.value))
+    expected = detail if comm.rank == 1 else (
+        f"rank {comm.rank}: test verdict failed on rank(s) [1] (rank 1: AssertionError: "
+        f"{detail.removeprefix('rank 1: ')})")
+    assert_all(str(failed.value) == expected, str(failed.value))
 
 
 class Reducer(AllReducer):

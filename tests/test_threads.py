@@ -3,8 +3,9 @@
 import os
 
 import pytest
-from helpers import run_mpi
 
+from tensorplay_mpi.testing import run_mpi
+from tensorplay_mpi.settings import threads_setting
 from tensorplay_mpi.threads import choose
 
 NO_CHOICE = {"OMP_NUM_THREADS": None, "OPENBLAS_NUM_THREADS": None, "MKL_NUM_THREADS": None,
@@ -33,19 +34,19 @@ MAKERS = {
     ({"OPENBLAS_NUM_THREADS": "8"}, 16, 4, None),
 ])
 def test_the_limit_is_a_share_of_the_cores_unless_the_user_chose(env, cores, local, expected):
-    limit, why = choose(env, cores, local)
+    limit, why = choose(threads_setting(env.get("TENSORPLAY_MPI_THREADS")), env, cores, local)
     assert limit == expected and why
 
 
 def test_the_automatic_limit_waits_for_the_count_of_ranks():
-    assert choose({}, 16, None) == (None, "")
-    assert choose({"TENSORPLAY_MPI_THREADS": "2"}, 16, None)[0] == 2
+    assert choose("auto", {}, 16, None) == (None, "")
+    assert choose(2, {"TENSORPLAY_MPI_THREADS": "2"}, 16, None)[0] == 2
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
 def test_a_bad_setting_is_a_value_error(value):
     with pytest.raises(ValueError, match=f"TENSORPLAY_MPI_THREADS .* got '{value}'"):
-        choose({"TENSORPLAY_MPI_THREADS": value}, 16, 4)
+        threads_setting(value)
 
 
 def run_program(nprocs, what, **env):

@@ -8,11 +8,12 @@ the gradient is the sum of the active ranks' batch gradients divided by the worl
 
 import numpy as np
 import pytest
-from helpers import UNEVEN, assert_all, gathered_equal, inputs_of, raises_everywhere
+from helpers import UNEVEN, gathered_equal
 from mpi4py import MPI
 
 from tensorplay_mpi import (SGD, Adam, AdamW, DataParallel, Join, JoinableComm,
                             ZeroRedundancyOptimizer)
+from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 torch = pytest.importorskip("torch")
 

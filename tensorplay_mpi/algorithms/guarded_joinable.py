@@ -8,23 +8,13 @@ from typing import Any, Iterable
 import numpy as np
 from mpi4py import MPI
 
+from ..agreement import agree
 from ..comm import Work, check_comm, default_comm, iallgather, resolve_timeout
 from ..guard import Guard
-from ..settings import settings
-from ..threads import limit_threads
+from ..process import set_up
 from .join import Joinable
 
-__all__ = ["GuardedJoinable", "REFUSALS", "refusal_code"]
-
-REFUSALS: tuple[type[Exception], ...] = (TypeError, ValueError)
-"""What a rank's own argument check raised, as the other ranks learn it: code ``c`` (from
-:func:`refusal_code`) is ``REFUSALS[c - 1]``; 0 means nothing was refused."""
-
-
-def refusal_code(error: Exception) -> int:
-    """The code of `error` (a TypeError or ValueError) in :data:`REFUSALS`."""
-    return 1 if isinstance(error, TypeError) else 2
-
+__all__ = ["GuardedJoinable"]
 
 def _groups(values: list[int]) -> list[list[int]]:
     """Ranks grouped by equal value, for error messages."""
@@ -58,9 +48,8 @@ class GuardedJoinable(Joinable):
         self.comm = check_comm(default_comm() if comm is None else comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.device = device
-        settings()  # a bad environment value raises here, before anything starts
+        set_up(self.comm)  # a bad environment value raises here, before anything starts
         self._guard = Guard.attach(self.comm)  # collective first: a bad timeout on one rank
-        limit_threads(self.comm)  # must not leave the others waiting in it
         self.timeout = resolve_timeout(timeout)
 
     def _wait(self, work: Work) -> Any:
@@ -76,32 +65,25 @@ class GuardedJoinable(Joinable):
                          **values: int | float) -> None:
         """The construction check: raise on every rank unless every rank's arguments agree.
 
-        Collective over ``comm``: one ``Iallgather`` of ``int64[2 + len(values)]`` per rank:
-        what this rank refused (`refused`, the TypeError or ValueError its own checks raised),
-        a digest of `layout`, and each of `values`.  A rank that refused raises its own error;
-        the others raise the same kind naming it.  Then different layouts (`what` names them,
-        `mine` describes this rank's) or different `values` raise ``ValueError`` everywhere.
+        Collective over ``comm``: one :func:`~tensorplay_mpi.agreement.agree` (an
+        ``Iallgather``) of what this rank refused (`refused`, the TypeError or ValueError its
+        own checks raised), a digest of `layout`, and each of `values`.  A rank that refused
+        raises its own error; the others raise the same kind naming it.  Then different
+        layouts (`what` names them, `mine` describes this rank's) or different `values` raise
+        ``ValueError`` everywhere.
         """
-        row = np.zeros(2 + len(values), dtype=np.int64)
+        row = [0] * (1 + len(values))  # what a rank that refused sends (it raises anyway)
         if refused is None:
             digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
-            row[1] = np.frombuffer(digest, dtype=np.int64)[0]
-            row[2:] = [np.float64(v).view(np.int64) for v in values.values()]
-        else:
-            row[0] = refusal_code(refused)
-        every = np.empty((self.size, row.size), dtype=np.int64)
-        self._wait(iallgather(self.comm, row, every, f"{type(self).__name__} argument check"))
-        if refused is not None:
-            raise type(refused)(f"rank {self.rank}: {refused}") from None
-        refusing = np.flatnonzero(every[:, 0]).tolist()
-        if refusing:
-            raise REFUSALS[int(every[refusing[0], 0]) - 1](
-                f"rank {self.rank}: rank(s) {refusing} refused their {type(self).__name__} "
-                "arguments (see their error); this rank's were valid")
-        if (every[:, 1] != every[0, 1]).any():
+            row = [int(np.frombuffer(digest, dtype=np.int64)[0])]
+            row += [int(np.float64(v).view(np.int64)) for v in values.values()]
+        check = f"{type(self).__name__} argument check"
+        every = agree(lambda mine, all_: iallgather(self.comm, mine, all_, check), self.rank,
+                      self.size, check, self.timeout, refused, row, text_bytes=256).values
+        if (every[:, 0] != every[0, 0]).any():
             raise ValueError(f"rank {self.rank}: ranks passed different {what} (ranks that "
-                             f"agree: {_groups(every[:, 1].tolist())}); this rank has {mine}")
-        for column, (name, value) in enumerate(values.items(), start=2):
+                             f"agree: {_groups(every[:, 0].tolist())}); this rank has {mine}")
+        for column, (name, value) in enumerate(values.items(), start=1):
             column_values = every[:, column].view(np.float64)
             if (column_values != column_values[0]).any():
                 by_rank = [type(value)(v) for v in column_values.tolist()]

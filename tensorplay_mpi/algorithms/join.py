@@ -34,10 +34,9 @@ from ..buffers import check_device
 from ..comm import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
 from ..guard import Guard
+from ..process import set_up
 from ..replicas import check_replicas
-from ..settings import settings
 from ..stopping import clear_save, save_requested, stop_requested
-from ..threads import limit_threads
 from ..work import complete_pending
 
 __all__ = ["Join", "Joinable", "JoinHook"]
@@ -368,12 +367,11 @@ class Join:
                     "two Joins cannot share a joinable"
                 )
         self._entered = True
-        settings()  # a bad environment value raises here, before anything starts
+        set_up(self._comm)  # a bad environment value raises here, before anything starts
         self._guard = Guard.attach(self._comm)
         if self._enable and self._guard.replica_check_due:  # after a caught failure only
             self._guard.replica_check_due = False
             check_replicas(self._comm, self._joinables, self._timeout)
-        limit_threads(self._comm)
         for joinable in self._joinables:
             joinable._bind_join(self)
         if self._enable:

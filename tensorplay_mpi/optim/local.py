@@ -28,7 +28,7 @@ from ..comm import check_comm, default_comm
 from ..parallel.buckets import GradientViews
 from ..tensors import as_arrays
 from . import rules
-from ..threads import limit_threads
+from ..process import set_up
 from .clip import clip_grad_norm
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
@@ -127,7 +127,7 @@ class Optimizer(Joinable):
         self.param_groups = [dict(defaults)]
         self.steps = 0
         self.param_steps = np.zeros(len(self.params), dtype=np.int64)
-        limit_threads()
+        set_up()
         self._hyper(1)
         rules.warm_up(self.params)  # the fused kernels compile here, not in the first step
         self.state = [{name: _zeros_like(p) for name in self.state_names} for p in self.params]

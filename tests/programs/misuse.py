@@ -7,7 +7,7 @@ MODE (rank 1 misbehaves):
   disabled    rank 1 raises inside a Join(enable=False) block; the others go on
   step        rank 1 raises inside dp.step() with no Join; the others wait in the step
   uncaught    rank 1 raises between epochs, outside any library call (run without -m mpi4py)
-  exit        rank 1 calls sys.exit(3) between epochs (run without -m mpi4py)
+  exit        rank 1 calls sys.exit(3) between epochs (with -m mpi4py: the job aborts)
   exit0       rank 1 calls sys.exit(0) inside a Join
   exit_thread a thread of rank 1 calls sys.exit(4); the program then ends normally
   late        every rank raises the same error, rank 1 much later than the grace; then every

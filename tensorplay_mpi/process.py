@@ -1,0 +1,219 @@
+"""The process: what tensorplay_mpi sets up once per process, how it ends, and its state.
+
+:func:`set_up` is the one call that prepares the process; every entry point makes it (a Join
+entering, a library joinable or optimizer made, a checkpoint saved or loaded), and no lower
+layer imports this module.  It
+
+1. reads the settings (a bad ``TENSORPLAY_MPI_*`` value raises here, before anything starts);
+2. checks the launch: a job whose every task started as a singleton MPI job (a wrong
+   ``srun --mpi`` plugin, an mpiexec from another MPI) raises ``RuntimeError`` saying so;
+3. installs, once, an excepthook that aborts the job on an uncaught exception, where nothing
+   else does (:func:`install_excepthook`);
+4. limits the BLAS/OpenMP threads of the process, from ``settings().threads``
+   (:mod:`tensorplay_mpi.threads`).
+
+Its teardown is one exit hook, registered when this module is imported (after mpi4py's own, so
+that it runs before ``MPI_Finalize``): the operations still pending in the registry of
+:mod:`tensorplay_mpi.work` are completed, or the job is aborted if they never can be.
+
+An uncaught exception on one rank of a multi-rank job, outside any library call, leaves the
+other ranks waiting in their next collective until their deadline.  ``python -m mpi4py``, the
+documented launch, turns it into ``MPI_Abort``, and so does the excepthook for programs started
+without it (``TENSORPLAY_MPI_EXCEPTHOOK=0`` keeps Python's own).  A ``sys.exit(status)`` with
+a nonzero status is not an exception Python hands to any hook: ``python -m mpi4py`` aborts on
+it (``raise SystemExit(status)`` included), a program started without it does not.  The library
+does not replace ``sys.exit`` to see it: a process-wide replacement of a builtin would surprise
+every other library in the process, would not see ``raise SystemExit``, and would need
+forgetting a caught exit (argparse's) to not abort a job that went on.  Launch with
+``python -m mpi4py``.
+
+Every piece of process-wide state of the library is listed in :data:`STATE`, where it lives and
+how :func:`reset_state` (``tensorplay_mpi.testing.reset_process_state``) resets it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import sys
+import time
+from types import TracebackType
+from typing import NamedTuple
+
+from mpi4py import MPI
+
+from .settings import settings
+from .threads import limit_threads
+from .work import complete_all_at_exit, outstanding_requests
+
+__all__ = ["set_up", "launch_problem", "check_launch", "install_excepthook", "State", "STATE",
+           "reset_state"]
+
+_LAUNCH_VARIABLES = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+_REPORT_GRACE_S = 0.5  # the launcher forwards the traceback before the abort kills the job
+_previous_hook: object = None  # sys.excepthook before ours, while ours is installed
+
+
+def set_up(comm: MPI.Intracomm | None = None) -> None:
+    """Prepare this process for the library (see the module docstring); cheap after the first.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm, optional
+        A communicator every rank of which calls this now (a Join entering, a joinable made):
+        the ranks on this node are counted over it, once, for the thread limit.  ``None``: not
+        a collective call (an optimizer made), and only the user's thread choice applies.
+
+    Raises
+    ------
+    ValueError
+        If a ``TENSORPLAY_MPI_*`` variable holds a value it does not accept.
+    RuntimeError
+        If every task of the job started as a singleton MPI job.
+    """
+    current = settings()
+    check_launch()
+    if current.excepthook:
+        install_excepthook()
+    limit_threads(comm, setting=current.threads)
+
+
+def launch_problem() -> str | None:
+    """Why this process looks like one of several tasks each started as a singleton MPI job
+    (a wrong ``srun --mpi`` plugin, or an mpiexec from another MPI), else ``None``."""
+    if MPI.COMM_WORLD.Get_size() > 1:
+        return None
+    for name in _LAUNCH_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            return (
+                f"MPI.COMM_WORLD has 1 rank but {name}={value}: every task started as a "
+                "singleton MPI job, so the launcher does not speak this MPI library's process "
+                "manager interface. Under Slurm use srun --mpi=pmi2 (MPICH, Intel MPI, MVAPICH) "
+                "or srun --mpi=pmix (Open MPI); 'srun --mpi=list' shows the plugins. With "
+                "mpiexec, use the one of the MPI library that mpi4py loads "
+                "(python -m tensorplay_mpi.info)."
+            )
+    return None
+
+
+def check_launch() -> None:
+    """Raise ``RuntimeError`` with :func:`launch_problem`'s explanation, if there is one."""
+    problem = launch_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+
+
+def install_excepthook() -> None:
+    """Abort the job on an uncaught exception, once per process, where nothing else does.
+
+    Installed only when ``COMM_WORLD`` has several ranks and the program does not run under
+    ``python -m mpi4py`` (whose handler already aborts).  The hook prints the traceback as the
+    previous hook would, then calls ``MPI_Abort``.
+    """
+    global _previous_hook
+    if _previous_hook is not None or MPI.COMM_WORLD.Get_size() == 1 \
+            or "mpi4py.run" in sys.modules:
+        return
+    _previous_hook = sys.excepthook
+    sys.excepthook = _abort_on_uncaught
+
+
+def _uninstall_excepthook() -> None:
+    global _previous_hook
+    if _previous_hook is not None and sys.excepthook is _abort_on_uncaught:
+        sys.excepthook = _previous_hook  # type: ignore[assignment]
+    _previous_hook = None
+
+
+def _abort_on_uncaught(kind: type[BaseException], error: BaseException,
+                       tb: TracebackType | None) -> None:
+    previous = _previous_hook if callable(_previous_hook) else sys.__excepthook__
+    previous(kind, error, tb)
+    sys.stderr.write(f"rank {MPI.COMM_WORLD.Get_rank()}: uncaught {kind.__name__}: aborting "
+                     "the MPI job so that the other ranks do not wait for this one "
+                     "(tensorplay_mpi; TENSORPLAY_MPI_EXCEPTHOOK=0 turns this off)\n")
+    sys.stderr.flush()
+    time.sleep(_REPORT_GRACE_S)
+    MPI.COMM_WORLD.Abort(1)
+
+
+def _no_pending() -> None:
+    pending = outstanding_requests()
+    if pending:
+        raise RuntimeError(f"{pending} library operation(s) still pending: complete them "
+                           "(wait on their Work, or finish the Join) before resetting")
+
+
+class State(NamedTuple):
+    """One piece of process-wide state."""
+
+    what: str
+    """What it is."""
+    module: str
+    """Where it lives (below ``tensorplay_mpi/``)."""
+    reset: str
+    """``"module:function"`` that resets it (``""``: nothing to reset, :attr:`why` says)."""
+    why: str = ""
+    """Why it is not reset, when it is not."""
+
+
+STATE: tuple[State, ...] = (
+    State("the settings read from TENSORPLAY_MPI_* (cached)", "settings.py",
+          "tensorplay_mpi.settings:settings.cache_clear"),
+    State("the unknown TENSORPLAY_MPI_* names already warned about", "settings.py",
+          "tensorplay_mpi.settings:_warned.clear"),
+    State("the CUDA-awareness decision (cached)", "buffers.py",
+          "tensorplay_mpi.buffers:cuda_aware.cache_clear"),
+    State("the ranks on this node, the BLAS thread decision", "threads.py",
+          "tensorplay_mpi.threads:forget_decision"),
+    State("the registry of pending operations, its progress threshold, its sweep count",
+          "work.py", "",
+          "must be empty: reset_state() raises otherwise"),
+    State("the excepthook", "process.py", "tensorplay_mpi.process:_uninstall_excepthook"),
+    State("the exit hook that completes pending operations", "process.py", "",
+          "registered once, at import"),
+    State("this rank's stop request; the signal handlers inside stop_on_signals()",
+          "stopping.py", "tensorplay_mpi.stopping:clear_stop"),
+    State("this rank's save request", "stopping.py", "tensorplay_mpi.stopping:clear_save"),
+    State("the handlers of keep_stop_signals()", "stopping.py", "",
+          "kept until the program ends, by design"),
+    State("whether MPI has persistent collectives (cached)", "persistent.py",
+          "tensorplay_mpi.persistent:supported.cache_clear"),
+    State("the entered Joins, and those whose on_save runs", "algorithms/join.py", "",
+          "empty after every Join"),
+    State("the guard attribute's key (the guards live on their communicators)", "guard.py", "",
+          "freed with each communicator"),
+    State("the verdicts' communicator, debug mode by the plugin", "testing.py", "",
+          "the test session's"),
+    State("gradient views by data address (weak)", "parallel/buckets.py", "",
+          "weak: gone with their DataParallel"),
+    State("the attribute on users' torch parameters (a weak reference to their binding)",
+          "parallel/torch_grads.py", "", "weak: dead with their DataParallel"),
+    State("whether the fused kernels (numba) import; compiled CuPy kernels", "optim/rules.py",
+          "tensorplay_mpi.optim.rules:_import_fused.cache_clear"),
+)
+"""Every piece of process-wide state of the library (docs/api/index.md shows this table)."""
+
+
+def reset_state() -> None:
+    """Reset every resettable piece of :data:`STATE`: the next library call decides again
+    from the environment as it is then (thread limits already applied stay applied).
+
+    Raises
+    ------
+    RuntimeError
+        If library operations are still pending (they cannot be dropped).
+    """
+    _no_pending()  # first: nothing is reset when something cannot be
+    for state in STATE:
+        if state.reset:
+            module, _, path = state.reset.partition(":")
+            target: object = importlib.import_module(module)
+            for name in path.split("."):
+                target = getattr(target, name)
+            target()  # type: ignore[operator]
+
+
+atexit.register(complete_all_at_exit)  # after mpi4py's own: runs before MPI_Finalize

@@ -1,0 +1,172 @@
+"""docs/api/index.md against the code: the layout table lists every module on disk, bottom up
+(each imports only those in its row or above), and the state table every module that holds
+process-wide state."""
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+from tensorplay_mpi.process import STATE
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "tensorplay_mpi"
+INDEX = ROOT / "docs" / "api" / "index.md"
+
+
+def _table(heading_text, first_header):
+    """The first column's backticked names of each row of the table under `heading_text`."""
+    text = INDEX.read_text()
+    section = text[text.index(heading_text):] if heading_text else text
+    lines = section[section.index(f"| {first_header} |"):].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _modules():
+    """Every module of the package, as its path below tensorplay_mpi/ (``algorithms/join.py``);
+    a subpackage's ``__init__.py`` (re-exports) only where a folder row covers it."""
+    paths = (str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
+    return sorted(p for p in paths if "/" not in p or not p.endswith("/__init__.py")
+                  or (PACKAGE / p).parent.name + "/" in _folder_rows())
+
+
+def _folder_rows():
+    return {name for names in _layout_rows() for name in names if name.endswith("/")}
+
+
+def _row_of(module, rows):
+    """The index of the layout row that covers `module` (a file, or a folder's entry)."""
+    for i, names in enumerate(rows):
+        for name in names:
+            if name == module or name.endswith("/") and module.startswith(name):
+                return i
+    return None
+
+
+def _layout_rows():
+    return [re.findall(r"`([^`]+)`", row[0]) for row in _table(None, "module")]
+
+
+def test_every_module_on_disk_has_a_row_and_every_row_a_module():
+    rows = _layout_rows()
+    modules = _modules()
+    missing = [m for m in modules if _row_of(m, rows) is None]
+    assert not missing, f"modules missing from the layout table of docs/api/index.md: {missing}"
+    absent = [n for names in rows for n in names
+              if not any(m == n or n.endswith("/") and m.startswith(n) for m in modules)]
+    assert not absent, f"the layout table names modules that do not exist: {absent}"
+
+
+def _imports(module):
+    """The package modules `module` imports (paths below tensorplay_mpi/); the facade
+    (``tensorplay_mpi/__init__.py``) left out."""
+    path = PACKAGE / module
+    parts = list(Path(module).parent.parts)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = parts[:len(parts) - (node.level - 1)] if node.level > 1 else parts
+        elif (node.module or "").startswith("tensorplay_mpi"):
+            base = []
+            node = ast.ImportFrom(module=node.module[len("tensorplay_mpi") + 1:] or None,
+                                  names=node.names, level=1)
+        else:
+            continue
+        target = base + (node.module.split(".") if node.module else [])
+        candidates = ["/".join(target) + ".py"] if node.module else []
+        candidates += ["/".join(target + [alias.name]) + ".py" for alias in node.names]
+        candidates += ["/".join(target + ["__init__.py"])]
+        for candidate in candidates:
+            if candidate in _modules() and candidate != "__init__.py":
+                found.add(candidate)
+                break
+    return found
+
+
+def test_each_module_imports_only_its_row_and_the_rows_above():
+    rows = _layout_rows()
+    upward = [f"{m} (row {_row_of(m, rows) + 1}) imports {i} (row {_row_of(i, rows) + 1})"
+              for m in _modules() for i in sorted(_imports(m))
+              if None not in (_row_of(i, rows), _row_of(m, rows))
+              and _row_of(i, rows) > _row_of(m, rows)]
+    assert not upward, "imports against the layout table's order: " + "; ".join(upward)
+
+
+_EMPTY_CONTAINERS = ("set", "dict", "list", "WeakValueDictionary", "WeakKeyDictionary",
+                     "Create_keyval")
+
+
+def _holds_state(module):
+    """Why `module` holds process-wide state, by its source, else None: a ``global``
+    statement, a cached function, an empty mutable container or a keyval at module level, an
+    exit hook, a hook or handler of the interpreter's, an attribute set on a caller's object."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            return f"global {', '.join(node.names)}"
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for decorator in node.decorator_list:
+                name = ast.unparse(decorator)
+                if "lru_cache" in name or name.endswith("cache"):
+                    return f"cached {node.name}"
+        if isinstance(node, ast.Call):
+            called = ast.unparse(node.func)
+            if called in ("atexit.register", "signal.signal", "setattr"):
+                return called
+        if isinstance(node, ast.Assign) and any(
+                ast.unparse(t) in ("sys.excepthook", "sys.exit") for t in node.targets):
+            return "an interpreter hook"
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, (ast.Dict, ast.Set, ast.List)) and not getattr(
+                value, "keys", getattr(value, "elts", None)):
+            return f"an empty container {ast.unparse(node)}"
+        if isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] \
+                in _EMPTY_CONTAINERS and not value.args:
+            return ast.unparse(node).splitlines()[0]
+    return None
+
+
+def _state_modules():
+    return {re.findall(r"`([^`]+)`", row[1])[0] for row in _table("## Process-wide state",
+                                                                   "state")}
+
+
+@pytest.mark.parametrize("module", [m for m in _modules()
+                                    if not m.startswith("examples/")])
+def test_a_module_that_holds_process_wide_state_is_in_the_state_table(module):
+    why = _holds_state(module)
+    if why is None:
+        assert module not in _state_modules(), \
+            f"{module} is in the state table of docs/api/index.md but holds no state"
+    else:
+        assert module in _state_modules(), (
+            f"{module} holds process-wide state ({why}) but is not in the state table of "
+            "docs/api/index.md")
+
+
+def test_the_state_table_is_the_code_s_table_of_process_wide_state():
+    rows = _table("## Process-wide state", "state")
+    shown = [(what, module.strip("`"), reset) for what, module, _, reset in rows]
+    expected = [(state.what, state.module,
+                 f"`{state.reset.replace('tensorplay_mpi.', '').replace(':', '.')}()`"
+                 if state.reset else f"— ({state.why})") for state in STATE]
+    assert shown == expected
+
+
+@pytest.mark.parametrize("reset", [state.reset for state in STATE if state.reset])
+def test_every_reset_of_the_state_table_is_a_function(reset):
+    module, _, path = reset.partition(":")
+    target = importlib.import_module(module)
+    for name in path.split("."):
+        target = getattr(target, name)
+    assert callable(target)

@@ -1,0 +1,72 @@
+"""The process set-up (one call) and testing.reset_process_state() (all of its state)."""
+
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from tensorplay_mpi import SGD, request_stop, stop_requested
+from tensorplay_mpi.comm import iallreduce
+from tensorplay_mpi.process import set_up
+from tensorplay_mpi.settings import settings
+from tensorplay_mpi.testing import reset_process_state
+from tensorplay_mpi.threads import decision, limit_threads
+
+
+def test_reset_process_state_makes_the_next_call_decide_again(monkeypatch):
+    monkeypatch.setenv("TENSORPLAY_MPI_THREADS", "keep")
+    monkeypatch.setenv("TENSORPLAY_MPI_TIMEOUT", "7")
+    reset_process_state()
+    set_up()
+    assert settings().timeout == 7 and decision() == "kept (TENSORPLAY_MPI_THREADS=keep)"
+    request_stop("test")
+    monkeypatch.setenv("TENSORPLAY_MPI_TIMEOUT", "9")
+    reset_process_state()
+    assert stop_requested() is None
+    assert decision().startswith("not decided yet")
+    assert settings().timeout == 9
+
+
+def test_reset_process_state_refuses_while_an_operation_is_pending():
+    reset_process_state()
+    timeout_before = settings().timeout
+    work = iallreduce(MPI.COMM_SELF, np.ones(2), np.empty(2), MPI.SUM, "pending")
+    try:
+        with pytest.raises(RuntimeError, match=r"1 library operation\(s\) still pending"):
+            reset_process_state()
+        assert settings().timeout == timeout_before  # nothing was reset
+    finally:
+        work.wait()
+    reset_process_state()
+
+
+def test_the_thread_limit_follows_the_setting_it_is_given(monkeypatch):
+    monkeypatch.setenv("TENSORPLAY_MPI_THREADS", "keep")
+    reset_process_state()
+    limit_threads(setting="keep")
+    assert decision() == "kept (TENSORPLAY_MPI_THREADS=keep)"
+    reset_process_state()
+
+
+def test_a_singleton_launch_of_several_tasks_is_refused_by_the_set_up(monkeypatch):
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    with pytest.raises(RuntimeError, match="SLURM_STEP_NUM_TASKS=4: every task started as a "
+                                           "singleton MPI job"):
+        SGD([np.zeros(2)], [np.zeros(2)], lr=0.1)  # an optimizer sets the process up too
+
+
+def test_a_bad_setting_is_refused_by_the_set_up_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("TENSORPLAY_MPI_THREADS", "two")
+    reset_process_state()
+    with pytest.raises(ValueError, match="TENSORPLAY_MPI_THREADS must be keep or a positive "
+                                         "integer, got 'two'"):
+        set_up()
+    monkeypatch.delenv("TENSORPLAY_MPI_THREADS")
+    reset_process_state()
+
+
+def test_the_library_leaves_sys_exit_alone():
+    exit_ = sys.exit
+    set_up(MPI.COMM_WORLD)
+    assert sys.exit is exit_
