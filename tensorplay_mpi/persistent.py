@@ -15,6 +15,10 @@ none: :class:`~tensorplay_mpi.joinable_comm.JoinableComm` for host arrays of at 
 :data:`MAX_BYTES` bytes while every rank is active (or outside a Join), and for its
 announcements (one request bound to the announcement buffer).
 
+The requests are freed when their :class:`PersistentCollectives` is collected, and those
+still alive at exit by :func:`free_all` (the process's exit hook, before ``MPI_Finalize``), so
+MPI never finds a persistent request left at finalization.
+
 ``TENSORPLAY_MPI_PERSISTENT``: ``auto`` (the default: where the library supports them), ``0``
 (plain nonblocking collectives, as with Open MPI 4 or Debian's mpi4py 3) or ``1`` (a
 ``RuntimeError`` where they are missing).  Both paths give the same results.
@@ -22,6 +26,7 @@ announcements (one request bound to the announcement buffer).
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -32,11 +37,12 @@ from .guard import Guard
 from .settings import settings
 from .work import Work
 
-__all__ = ["MAX_BYTES", "PersistentCollectives", "supported", "enabled"]
+__all__ = ["MAX_BYTES", "PersistentCollectives", "supported", "enabled", "free_all"]
 
 MAX_BYTES = 4096
 """The largest array (in bytes) that goes through a persistent collective."""
 _CACHED = 16  # persistent requests kept per communicator, least recently used evicted
+_live: "weakref.WeakSet[PersistentCollectives]" = weakref.WeakSet()  # freed at exit
 
 
 @lru_cache(maxsize=1)
@@ -84,6 +90,22 @@ class PersistentCollectives:
         self._guard = Guard.of(comm)
         self._cache: dict[tuple, tuple[MPI.Prequest, np.ndarray, np.ndarray]] = {}
         self._in_place: dict[int, tuple[MPI.Prequest, np.ndarray]] = {}
+        _live.add(self)
+
+    def free(self) -> None:
+        """Free every kept request (all inactive: each start was waited for, and one that
+        failed belongs to the registry and is no longer kept); local, not collective."""
+        if MPI.Is_finalized():
+            return
+        entries = [entry[0] for entry in self._cache.values()]
+        entries += [entry[0] for entry in self._in_place.values()]
+        self._cache.clear()
+        self._in_place.clear()
+        for request in entries:
+            request.Free()
+
+    def __del__(self) -> None:
+        self.free()
 
     def allreduce(self, x: np.ndarray, out: Any, op: MPI.Op, op_code: int, what: str) -> None:
         """Allreduce of the host array `x` into `out` (shaped and typed like `x`)."""
@@ -147,3 +169,10 @@ class PersistentCollectives:
         request.Start()
         if not request.Test():  # on failure the registry owns it, and it is never restarted
             Work(request, what, keep, None, self._guard).wait_or_abort(self.timeout)
+
+
+def free_all() -> None:
+    """Free the requests of every live :class:`PersistentCollectives` (at exit, before
+    ``MPI_Finalize``)."""
+    for collectives in list(_live):
+        collectives.free()

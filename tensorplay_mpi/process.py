@@ -14,7 +14,8 @@ layer imports this module.  It
 
 Its teardown is one exit hook, registered when this module is imported (after mpi4py's own, so
 that it runs before ``MPI_Finalize``): the operations still pending in the registry of
-:mod:`tensorplay_mpi.work` are completed, or the job is aborted if they never can be.
+:mod:`tensorplay_mpi.work` are completed, or the job is aborted if they never can be; then
+the persistent requests still kept are freed (:func:`tensorplay_mpi.persistent.free_all`).
 
 An uncaught exception on one rank of a multi-rank job, outside any library call, leaves the
 other ranks waiting in their next collective until their deadline.  ``python -m mpi4py``, the
@@ -43,6 +44,7 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
+from .persistent import free_all
 from .settings import settings
 from .threads import limit_threads
 from .work import complete_all_at_exit, outstanding_requests
@@ -172,7 +174,8 @@ STATE: tuple[State, ...] = (
           "work.py", "",
           "must be empty: reset_state() raises otherwise"),
     State("the excepthook", "process.py", "tensorplay_mpi.process:_uninstall_excepthook"),
-    State("the exit hook that completes pending operations", "process.py", "",
+    State("the exit hook that completes pending operations and frees persistent requests",
+          "process.py", "",
           "registered once, at import"),
     State("this rank's stop request; the signal handlers inside stop_on_signals()",
           "stopping.py", "tensorplay_mpi.stopping:clear_stop"),
@@ -181,6 +184,8 @@ STATE: tuple[State, ...] = (
           "kept until the program ends, by design"),
     State("whether MPI has persistent collectives (cached)", "persistent.py",
           "tensorplay_mpi.persistent:supported.cache_clear"),
+    State("the live persistent collectives (weak)", "persistent.py", "",
+          "weak: their requests are freed with them, or at exit"),
     State("the entered Joins, and those whose on_save runs", "algorithms/join.py", "",
           "empty after every Join"),
     State("the guard attribute's key (the guards live on their communicators)", "guard.py", "",
@@ -216,4 +221,11 @@ def reset_state() -> None:
             target()  # type: ignore[operator]
 
 
-atexit.register(complete_all_at_exit)  # after mpi4py's own: runs before MPI_Finalize
+def _at_exit() -> None:
+    """The exit hook: complete the pending operations (or abort), then free the persistent
+    requests still kept."""
+    complete_all_at_exit()
+    free_all()
+
+
+atexit.register(_at_exit)  # after mpi4py's own: runs before MPI_Finalize

@@ -15,6 +15,7 @@ from tensorplay_mpi.testing import reset_settings
 
 RECORD_IMPORTS = """
 import importlib.abc, pkgutil, sys
+SKIPPED = NOT_RECORDED
 tried = []
 class Recorder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -24,7 +25,7 @@ class Recorder(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Recorder())
 import tensorplay_mpi
 for module in pkgutil.walk_packages(tensorplay_mpi.__path__, "tensorplay_mpi."):
-    if ".examples." not in module.name:
+    if ".examples." not in module.name and module.name not in SKIPPED:
         __import__(module.name)
 print("library", tried)
 try:
@@ -38,12 +39,29 @@ print("then", tried)
 @pytest.mark.parametrize("module", ["cupy", "torch"])
 def test_importing_the_library_never_tries_to_import_cupy_or_torch(module):
     """Import attempts are recorded, so this fails whether the module is installed or not."""
-    result = subprocess.run([sys.executable, "-c", RECORD_IMPORTS.replace("MODULE", module)],
+    # sync_batchnorm subclasses a torch module: torch-only by design, imported on first use of
+    # tensorplay_mpi.SyncBatchNorm (the test below)
+    skipped = {"tensorplay_mpi.sync_batchnorm"} if module == "torch" else set()
+    program = RECORD_IMPORTS.replace("MODULE", module).replace("NOT_RECORDED", repr(skipped))
+    result = subprocess.run([sys.executable, "-c", program],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     library, then = result.stdout.splitlines()
     assert library == "library []"
     assert then.startswith(f"then ['{module}'")  # the recorder sees an attempt
+
+
+def test_sync_batchnorm_is_imported_only_on_first_use():
+    pytest.importorskip("torch")
+    program = ("import sys, tensorplay_mpi\n"
+               "print(sorted(m for m in ('torch', 'tensorplay_mpi.sync_batchnorm') "
+               "if m in sys.modules))\n"
+               "import torch\n"
+               "print(issubclass(tensorplay_mpi.SyncBatchNorm, torch.nn.Module))\n")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[]", "True"]
 
 
 class OnlyCudaInterface:
