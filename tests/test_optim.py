@@ -338,10 +338,14 @@ def test_cupy_kernels_follow_the_rule(kind):
     assert_params_close([cupy.asnumpy(p) for p in params], expected)
 
 
-def test_an_optimizer_bound_to_a_plain_list_of_dp_grads_is_recognised_too():
+def test_only_dp_grads_itself_links_an_optimizer_to_its_dataparallel():
     params = [np.ones(3), np.ones(2)]
     dp = DataParallel(params)
-    opt = Adam(params, list(dp.grads))  # the same views, not the GradientViews object
+    Adam(params, list(dp.grads))  # the same views in a plain list: no link, not checked
+    with Join([dp]):
+        with dp.step():
+            pass
+    opt = Adam(params, dp.grads)  # linked: its DataParallel checks its Joins
     with pytest.raises(RuntimeError, match=r"Adam holds optimizer state .* Join\(\[dp, opt\]\)"):
         with Join([dp]):
             with dp.step():

@@ -16,7 +16,6 @@ counts included) stay bitwise identical on every rank.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -24,8 +23,8 @@ from mpi4py import MPI
 
 from ..algorithms.join import Join, Joinable, JoinHook
 from ..buffers import check_disjoint, device_of, zeros_like
-from ..comm import check_comm, default_comm
-from ..parallel.buckets import GradientViews
+from ..comm import check_comm
+from ..gradient_link import GradientViews, check_places, comm_of, used_of
 from ..tensors import as_arrays
 from . import rules
 from ..process import set_up
@@ -52,18 +51,6 @@ def check_params(params: list[Any], grads: list[Any]) -> None:
 
 def is_writeable(array: Any) -> bool:
     return getattr(array.flags, "writeable", True)  # CuPy's flags have no such field
-
-
-def comm_of_grads(grads: Any) -> MPI.Intracomm:
-    """The communicator of the DataParallel owning `grads` (``dp.grads``), else the default.
-
-    The link is found, not passed: :meth:`GradientViews.of` looks the first gradient's data
-    address up in a process-wide table of weak references (``parallel/buckets.py``), so
-    ``list(dp.grads)`` is recognised too, and copies of the gradients are not.
-    """
-    views = GradientViews.of(grads)
-    owner = None if views is None else views.owner
-    return default_comm() if owner is None else owner.comm
 
 
 def _values(group: dict[str, Any]) -> dict[str, Any]:
@@ -118,8 +105,8 @@ class Optimizer(Joinable):
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  comm: MPI.Intracomm | None = None, **defaults: Any) -> None:
         super().__init__()
-        self._grad_views = GradientViews.of(grads)
-        self.comm = check_comm(comm_of_grads(grads) if comm is None else comm)
+        self._link = GradientViews.of(grads)  # dp.grads carries its DataParallel, else None
+        self.comm = check_comm(comm_of(self._link) if comm is None else comm)
         self.params = as_arrays(params, "params")  # torch tensors: NumPy views
         self.grads = as_arrays(grads, "grads")
         check_params(self.params, self.grads)
@@ -134,9 +121,8 @@ class Optimizer(Joinable):
         self._flat = [p.reshape(-1) for p in self.params]  # views: a 0-d param is (1,)
         self._flat_state = [{k: a.reshape(-1) for k, a in s.items()} for s in self.state]
         self._scratch = rules.Scratch()
-        if self._grad_views is not None:  # DataParallel then checks its Joins for us
-            self._grad_views.bind(self, must_join=bool(self.state_names))
-        self._checked_join: weakref.ref | None = None  # weak: the Join's hook holds self
+        if self._link is not None:  # DataParallel then checks its Joins for us
+            self._link.step_with(self, must_join=bool(self.state_names))
 
     def step(self) -> None:
         """Update every parameter in place from its gradient (local: no communication)."""
@@ -152,8 +138,7 @@ class Optimizer(Joinable):
         DataParallel owning the gradients, else all.
         """
         if used is None:
-            owner = None if self._grad_views is None else self._grad_views.owner
-            used = None if owner is None else owner.used
+            used = used_of(self._link)
         hyper = self._hyper(self.steps + 1)
         self.steps += 1
         if hyper.get("max_grad_norm") is not None:
@@ -267,24 +252,9 @@ class Optimizer(Joinable):
         return self.comm
 
     def end_iteration(self) -> None:
-        """Check once per Join, on every rank, that the joinable writing the grads comes first."""
-        join = self.join_context
-        if join is not None and (self._checked_join is None or self._checked_join() is not join):
-            self._check_place(join.joinables)
-            self._checked_join = weakref.ref(join)
-
-    def _check_place(self, joinables: tuple[Joinable, ...]) -> None:
-        me = next(k for k, j in enumerate(joinables) if j is self)
-        if self._grad_views is not None:
-            ok = any(j is self._grad_views.owner for j in joinables[:me])
-        else:
-            ok = me > 0
-        if not ok:
-            names = ", ".join(type(j).__name__ for j in joinables)
-            raise RuntimeError(
-                f"{type(self).__name__} steps with the gradients that a DataParallel averages, "
-                f"so that DataParallel must come before it in the Join: Join([dp, opt]) "
-                f"(got Join([{names}]))")
+        """Check, on every rank, that the joinable writing the grads comes first."""
+        check_places(self.join_context, self,
+                     None if self._link is None else self._link.data_parallel, must_join=False)
 
 
 class _OptimizerHook(JoinHook):

@@ -22,10 +22,10 @@ from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join, JoinHook
 from ..buffers import check_disjoint, device_of, zeros_like
 from ..comm import Work, ibcast, irecv, isend
-from ..parallel.buckets import GradientViews
+from ..gradient_link import GradientViews, check_places, comm_of, used_of
 from ..tensors import as_arrays
 from .clip import clip_grad_norm
-from .local import Adam, Optimizer, comm_of_grads, is_writeable, check_params
+from .local import Adam, Optimizer, check_params, is_writeable
 
 __all__ = ["DIRECT_BYTES", "ZeroRedundancyOptimizer", "partition"]
 
@@ -84,9 +84,10 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  optimizer_class: type[Optimizer] = Adam, comm: MPI.Intracomm | None = None,
                  timeout: float | None = None, **defaults: Any) -> None:
-        super().__init__(comm_of_grads(grads) if comm is None else comm, timeout)
+        link = GradientViews.of(grads)  # dp.grads carries its DataParallel, else None
+        super().__init__(comm_of(link) if comm is None else comm, timeout)
         self.params = as_arrays(params, "params")  # torch tensors: NumPy views
-        views, grads = grads, as_arrays(grads, "grads")
+        grads = as_arrays(grads, "grads")
         try:  # memory sharing is no part of the layout: a rank that has it refuses
             check_disjoint(params=self.params, grads=grads)
             refused = None
@@ -116,10 +117,10 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
                                      **defaults)
         self._packs, self._direct = self._sync_plan()
         self._consolidated: dict[str, Any] | None = None
-        bound = self._views = GradientViews.of(views)
+        self._link = link
         self._shard_index = np.asarray(self.shard, dtype=np.intp)
-        if bound is not None:  # DataParallel's Joins must list this optimizer, which steps
-            bound.bind(self, must_join=True)  # in place of its shard optimizer
+        if link is not None:  # DataParallel's Joins must list this optimizer, which steps
+            link.step_with(self, must_join=True)  # in place of its shard optimizer
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -162,8 +163,7 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
     def _step_shard_and_sync(self) -> None:
         if self.max_grad_norm is not None:
             clip_grad_norm(self.grads, self.max_grad_norm)
-        owner = None if self._views is None else self._views.owner
-        used = None if owner is None else owner.used
+        used = used_of(self._link)
         self.local.update(None if used is None else used[self._shard_index])
         works = []
         for owner, flat, views in self._packs:
@@ -262,6 +262,12 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return _ZeroHook(self)
+
+    def end_iteration(self) -> None:
+        """With ``dp.grads``: check, on every rank, that their DataParallel comes first (alone
+        in a Join, with gradients of its own, it needs nothing before it)."""
+        if self._link is not None:
+            check_places(self.join_context, self, self._link.data_parallel, must_join=False)
 
 
 class _ZeroHook(JoinHook):
