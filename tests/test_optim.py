@@ -123,7 +123,7 @@ def test_bad_arguments(make, error, match):
 
 def test_loading_another_optimizers_state_is_a_value_error():
     params, grads_per_step = problem()
-    with pytest.raises(ValueError, match="state dict of Adam loaded into SGD"):
+    with pytest.raises(ValueError, match="the state dict holds Adam state, the optimizer is SGD"):
         SGD(params, grads_per_step[0], lr=0.1, momentum=0.9).load_state_dict(
             Adam(params, grads_per_step[0]).state_dict())
 

@@ -22,35 +22,16 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.join import Join, Joinable, JoinHook
-from ..buffers import check_disjoint, device_of, zeros_like
+from ..buffers import device_of, zeros_like
 from ..comm import check_comm
 from ..gradient_link import GradientViews, check_places, comm_of, used_of
 from ..tensors import as_arrays
 from . import rules
 from ..process import set_up
 from .clip import clip_grad_norm
+from .protocol import OptimizerState, check_params, check_state
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
-
-
-def check_params(params: list[Any], grads: list[Any]) -> None:
-    """Raise unless `params` are writable, C-contiguous floating arrays shaped like `grads`,
-    and no two of the params and grads share memory."""
-    if len(params) != len(grads):
-        raise ValueError(f"got {len(params)} params but {len(grads)} grads")
-    for i, (p, g) in enumerate(zip(params, grads)):
-        if p.shape != g.shape:
-            raise ValueError(f"grads[{i}] has shape {g.shape}, params[{i}] has {p.shape}")
-        if p.dtype.kind != "f":
-            raise TypeError(f"params[{i}] must be floating point, got {p.dtype}")
-        if not (p.flags.c_contiguous and is_writeable(p)):
-            raise ValueError(f"params[{i}] must be C-contiguous and writable (it is updated "
-                             "in place)")
-    check_disjoint(params=params, grads=grads)
-
-
-def is_writeable(array: Any) -> bool:
-    return getattr(array.flags, "writeable", True)  # CuPy's flags have no such field
 
 
 def _values(group: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +43,7 @@ def _zeros_like(p: Any) -> Any:
     return rules.aligned_zeros(p.shape, p.dtype) if type(p) is np.ndarray else zeros_like(p)
 
 
-class Optimizer(Joinable):
+class Optimizer(Joinable, OptimizerState):
     """Base class: bound params and grads, one group of hyperparameters, per-parameter state.
 
     Subclasses set :attr:`state_names` and implement :meth:`_update` and :meth:`_checked`.
@@ -198,25 +179,9 @@ class Optimizer(Joinable):
             If it is for another optimizer class, another number of parameters, or another
             state shape, or it names a schedule that this optimizer does not have.
         """
-        if state_dict["optimizer"] != type(self).__name__:
-            raise ValueError(f"state dict of {state_dict['optimizer']} loaded into "
-                             f"{type(self).__name__}")
-        state = state_dict["state"]
-        if sorted(state) != list(range(len(self.params))):
-            raise ValueError(f"state dict holds parameters {sorted(state)}, this optimizer has "
-                             f"{len(self.params)}")
-        for i, mine in enumerate(self.state):
-            for name, array in mine.items():
-                shape = tuple(getattr(state[i].get(name), "shape", (None,)))
-                if shape != array.shape:
-                    raise ValueError(f"state[{i}][{name!r}] has shape {shape}, expected "
-                                     f"{array.shape}")
+        self.check_state_dict(state_dict)
         schedules = {k: v for k, v in self.param_groups[0].items() if callable(v)}
-        missing = [k for k in state_dict.get("schedules", ()) if k not in schedules]
-        if missing:
-            raise ValueError(f"the state dict was saved with a schedule (a callable) for "
-                             f"{missing}, which a state dict does not store: construct this "
-                             "optimizer with the same schedule, then load")
+        state = state_dict["state"]
         for i, mine in enumerate(self.state):
             for name, array in mine.items():
                 array[...] = state[i][name]
@@ -227,6 +192,20 @@ class Optimizer(Joinable):
         self.steps = int(state_dict["steps"])
         param_steps = state_dict.get("param_steps")  # absent before per-parameter counts
         self.param_steps[...] = self.steps if param_steps is None else param_steps
+
+    def check_state_dict(self, state_dict: dict[str, Any], shard: bool = False,
+                         source: str = "the state dict") -> None:
+        """Raise ``ValueError`` unless `state_dict` fits: this optimizer class, one entry per
+        parameter shaped like it, and no schedule (a callable) that this optimizer lacks.
+        `shard` makes no difference: a local optimizer's part is its whole state."""
+        check_state(state_dict, type(self).__name__, self.state_names,
+                    [p.shape for p in self.params], source)
+        schedules = [k for k, v in self.param_groups[0].items() if callable(v)]
+        missing = [k for k in state_dict.get("schedules", ()) if k not in schedules]
+        if missing:
+            raise ValueError(f"{source} was saved with a schedule (a callable) for "
+                             f"{missing}, which a state dict does not store: construct this "
+                             "optimizer with the same schedule, then load")
 
     def set_hyperparameter(self, name: str, value: Any) -> None:
         """Set `name` to `value` in :attr:`defaults` and in every group of :attr:`param_groups`."""

@@ -25,7 +25,8 @@ from ..comm import Work, ibcast, irecv, isend
 from ..gradient_link import GradientViews, check_places, comm_of, used_of
 from ..tensors import as_arrays
 from .clip import clip_grad_norm
-from .local import Adam, Optimizer, check_params, is_writeable
+from .local import Adam, Optimizer
+from .protocol import OptimizerState, check_params, check_state, is_writeable
 
 __all__ = ["DIRECT_BYTES", "ZeroRedundancyOptimizer", "partition"]
 
@@ -49,7 +50,7 @@ def partition(nbytes: Sequence[int], size: int) -> list[int]:
     return owners
 
 
-class ZeroRedundancyOptimizer(GuardedJoinable):
+class ZeroRedundancyOptimizer(GuardedJoinable, OptimizerState):
     """Optimizer whose state is sharded over the ranks of `comm`.
 
     Collective over `comm`: every rank constructs it with the same parameter shapes, dtypes
@@ -122,10 +123,17 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
         if link is not None:  # DataParallel's Joins must list this optimizer, which steps
             link.step_with(self, must_join=True)  # in place of its shard optimizer
 
+    sharded = True
+
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         """The hyperparameters of this rank's shard optimizer, read at each step."""
         return self.local.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The constructor's hyperparameters of this rank's shard optimizer."""
+        return self.local.defaults
 
     def step(self) -> None:
         """Step this rank's shard, then broadcast every parameter from its owner.
@@ -242,17 +250,37 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
         ValueError
             If it does not match these parameters or this optimizer class.
         """
+        self.check_state_dict(state_dict)
         state = state_dict["state"]
-        if sorted(state) != list(range(len(self.params))):
-            raise ValueError(f"state dict holds parameters {sorted(state)}, this optimizer has "
-                             f"{len(self.params)}")
         steps = state_dict.get("param_steps")
         steps = np.full(len(self.params), state_dict["steps"]) if steps is None else \
             np.asarray(steps)
         shard = dict(state_dict, state={k: state[i] for k, i in enumerate(self.shard)},
                      param_steps=steps[self._shard_index])
-        self.local.load_state_dict(shard)
+        self.load_shard_state_dict(shard)
+
+    def check_state_dict(self, state_dict: dict[str, Any], shard: bool = False,
+                         source: str = "the state dict") -> None:
+        """Raise ``ValueError`` unless `state_dict` is a state of `optimizer_class` for every
+        parameter, or with `shard` for this rank's shard (numbered from 0)."""
+        if shard:  # the shard optimizer's own check
+            self.local.check_state_dict(state_dict, source=source)
+        else:
+            check_state(state_dict, self.optimizer_class.__name__, self.local.state_names,
+                        [p.shape for p in self.params], source)
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """The state of this rank's shard (its parameters numbered from 0); local."""
+        return self.local.state_dict()
+
+    def load_shard_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`shard_state_dict` gave on this rank at the same world size."""
+        self.local.load_state_dict(state_dict)
         self.local.set_hyperparameter("max_grad_norm", None)  # ZeRO clips all, never a shard
+
+    def shard_owners(self, size: int) -> list[int]:
+        """The owner of each parameter at world size `size`, as every rank computes it."""
+        return partition([p.nbytes for p in self.params], size)
 
     # -- Joinable ------------------------------------------------------------------------------
 
