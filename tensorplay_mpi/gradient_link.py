@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
     from .algorithms.join import Join, Joinable
 
-__all__ = ["Averaging", "GradientViews", "check_places", "comm_of", "in_join", "used_of"]
+__all__ = ["Averaging", "GradientViews", "check_places", "comm_of", "in_join", "position",
+           "used_of"]
 
 
 class Averaging(Protocol):
@@ -124,25 +125,35 @@ def used_of(link: GradientViews | None) -> np.ndarray | None:
     return None if data_parallel is None else data_parallel.used
 
 
+def position(join: "Join", joinable: Any) -> int | None:
+    """The index of `joinable` in `join`'s list (by identity), ``None`` if it is not there."""
+    for k, j in enumerate(join.joinables):  # a loop: it runs before every heartbeat
+        if j is joinable:
+            return k
+    return None
+
+
 def in_join(join: "Join", joinable: Any) -> bool:
     """Whether `joinable` is one of `join`'s joinables (by identity)."""
-    return any(j is joinable for j in join.joinables)
+    return position(join, joinable) is not None
 
 
 def check_places(join: "Join | None", optimizer: "Joinable | None",
-                 data_parallel: Any, must_join: bool) -> None:
-    """Raise ``RuntimeError`` unless `optimizer`, which steps with the gradients that
-    `data_parallel` averages, has its place in `join`.
+                 link: GradientViews | None, must_join: bool) -> None:
+    """Raise ``RuntimeError`` unless `optimizer`, which steps with the gradients `link`
+    (``dp.grads``), has its place in `join`: the one check of the link, which DataParallel
+    and the optimizers run before each heartbeat.
 
-    Its place: after `data_parallel` (after some joinable when `data_parallel` is ``None``,
-    a plain list of gradients), when it is in `join`; and in `join` at all when `must_join`
-    (it holds state: a rank that joined early would skip its steps).  Nothing to check
-    without a Join or an optimizer.
+    Its place: after the DataParallel of `link` (after some joinable when `link` is ``None``:
+    a plain list of gradients that an earlier joinable writes), when it is in `join`; and in
+    `join` at all when `must_join` (it holds state: a rank that joined early would skip its
+    steps).  Nothing to check without a Join or an optimizer.
     """
     if join is None or optimizer is None:
         return
+    data_parallel = None if link is None else link.data_parallel
     joinables = join.joinables
-    me = next((k for k, j in enumerate(joinables) if j is optimizer), None)
+    me = position(join, optimizer)
     if me is None:
         if must_join:
             raise RuntimeError(
@@ -153,7 +164,8 @@ def check_places(join: "Join | None", optimizer: "Joinable | None",
     if data_parallel is None:
         placed = me > 0
     else:
-        placed = any(j is data_parallel for j in joinables[:me])
+        at = position(join, data_parallel)
+        placed = at is not None and at < me
     if not placed:
         names = ", ".join(type(j).__name__ for j in joinables)
         raise RuntimeError(

@@ -232,8 +232,7 @@ class Optimizer(Joinable, OptimizerState):
 
     def end_iteration(self) -> None:
         """Check, on every rank, that the joinable writing the grads comes first."""
-        check_places(self.join_context, self,
-                     None if self._link is None else self._link.data_parallel, must_join=False)
+        check_places(self.join_context, self, self._link, must_join=False)
 
 
 class _OptimizerHook(JoinHook):

@@ -295,7 +295,7 @@ class ZeroRedundancyOptimizer(GuardedJoinable, OptimizerState):
         """With ``dp.grads``: check, on every rank, that their DataParallel comes first (alone
         in a Join, with gradients of its own, it needs nothing before it)."""
         if self._link is not None:
-            check_places(self.join_context, self, self._link.data_parallel, must_join=False)
+            check_places(self.join_context, self, self._link, must_join=False)
 
 
 class _ZeroHook(JoinHook):

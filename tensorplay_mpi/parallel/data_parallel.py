@@ -668,7 +668,8 @@ class DataParallel(GuardedJoinable):
         no ``dp.step()`` may have been called without ``with``."""
         self._check_entered()
         if self._update is None:  # with update=, the optimizer steps there, not in the Join
-            check_places(self.join_context, self.grads.stateful_optimizer, self, must_join=True)
+            check_places(self.join_context, self.grads.stateful_optimizer, self.grads,
+                         must_join=True)
 
     def replicated_arrays(self) -> list[Any]:
         """The parameters and buffers: the same on every rank."""
