@@ -37,8 +37,7 @@ from .guard import Guard
 from .process import set_up
 from .replicas import digest
 from .stopping import clear_save
-from .optim import Optimizer, ZeroRedundancyOptimizer
-from .optim.zero import partition
+from .optim.protocol import OptimizerState
 from .tensors import as_array, as_arrays
 
 __all__ = ["save", "load", "Saved", "Resumed", "MANIFEST"]
@@ -182,16 +181,18 @@ def _decode(value: Any, live: Any) -> Any:
 
 
 def _optimizer_kind(optimizer: Any, zero: str) -> str:
+    """The manifest's name for how `optimizer`'s state is saved: ``"none"``, ``"local"`` (the
+    same on every rank) or, for a sharded one, ``"zero-sharded"`` / ``"zero-consolidated"``."""
     if optimizer is None:
         return "none"
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if not isinstance(optimizer, OptimizerState):
+        raise TypeError(f"optimizer must be a tensorplay_mpi optimizer or None, got "
+                        f"{type(optimizer).__name__}")
+    if optimizer.sharded:
         if zero not in ("sharded", "consolidated"):
             raise ValueError(f"zero must be 'sharded' or 'consolidated', got {zero!r}")
         return f"zero-{zero}"
-    if isinstance(optimizer, Optimizer):
-        return "local"
-    raise TypeError(f"optimizer must be a tensorplay_mpi optimizer or None, got "
-                    f"{type(optimizer).__name__}")
+    return "local"
 
 
 def _flatten(state_dict: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict]:
@@ -212,10 +213,11 @@ def _flatten(state_dict: dict[str, Any], prefix: str) -> tuple[dict[str, Any], d
 
 
 def _unflatten(meta: dict, arrays: Mapping[str, np.ndarray], prefix: str,
-               live: Optimizer) -> dict[str, Any]:
-    """A state dict for `live` (whose current hyperparameters replace saved callables)."""
+               live: OptimizerState) -> dict[str, Any]:
+    """A state dict for `live` (whose current hyperparameters replace saved callables), its
+    arrays on the device of `live`'s parameters."""
     now = live.param_groups[0]
-    sample = live.params[0] if live.params else None  # a shard may hold no parameter
+    sample = live.params[0] if live.params else None
     return {
         "optimizer": meta["optimizer"],
         "steps": meta["steps"],
@@ -230,28 +232,11 @@ def _unflatten(meta: dict, arrays: Mapping[str, np.ndarray], prefix: str,
     }
 
 
-def _check_state(saved: dict[str, Any], optimizer: Optimizer, shapes: list[tuple]) -> None:
-    """Raise ValueError unless `saved` fits `optimizer` whose parameters have `shapes`."""
-    if saved["optimizer"] != type(optimizer).__name__:
-        raise ValueError(f"the checkpoint holds {saved['optimizer']} state, the optimizer is "
-                         f"{type(optimizer).__name__}")
-    state = saved["state"]
-    if sorted(state) != list(range(len(shapes))):
-        raise ValueError(f"the checkpoint holds optimizer state for {len(state)} parameters, "
-                         f"the optimizer has {len(shapes)}")
-    for i, shape in enumerate(shapes):
-        for name in optimizer.state_names:
-            found = getattr(state[i].get(name), "shape", None)
-            if found != shape:
-                raise ValueError(f"optimizer state [{i}][{name!r}] has shape {found} in the "
-                                 f"checkpoint, expected {shape}")
-
-
 # -- save ----------------------------------------------------------------------------------------
 
 
 def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequence[Any] = (),
-         optimizer: Optimizer | ZeroRedundancyOptimizer | None = None, step: int = 0,
+         optimizer: OptimizerState | None = None, step: int = 0,
          epoch: int = 0, cursor: int = 0, extra: Mapping[str, Any] | None = None,
          zero: str = "sharded", comm: MPI.Intracomm | None = None,
          timeout: float | None = None, config: Mapping[str, Any] | None = None) -> Saved:
@@ -338,7 +323,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     _agree(comm, error, "checkpoint arguments", timeout)
 
     if kind == "zero-consolidated":
-        assert isinstance(optimizer, ZeroRedundancyOptimizer)
+        assert optimizer is not None  # a sharded optimizer
         optimizer.consolidate_state_dict(to=0)
     shard = _shard_path(directory, rank, size, token)
     try:
@@ -379,7 +364,7 @@ def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequen
     try:
         os.makedirs(directory, exist_ok=True)
         if kind == "zero-sharded":
-            arrays, meta = _flatten(optimizer.local.state_dict(), "optimizer")
+            arrays, meta = _flatten(optimizer.shard_state_dict(), "optimizer")
             arrays["meta"] = np.array(json.dumps(meta))
             nbytes += _write(shard, arrays)
         if rank == 0:
@@ -435,7 +420,7 @@ def _manifest(params: Sequence[Any], buffers: Sequence[Any], optimizer: Any, kin
 
 
 def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequence[Any] = (),
-         optimizer: Optimizer | ZeroRedundancyOptimizer | None = None,
+         optimizer: OptimizerState | None = None,
          comm: MPI.Intracomm | None = None, timeout: float | None = None,
          config: Mapping[str, Any] | None = None, resize: bool = False) -> Resumed | None:
     """Load the checkpoint in `directory` into `params`, `buffers` and `optimizer`, in place.
@@ -489,7 +474,8 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         token = meta["token"]
         _check_manifest(meta, params, buffers, size, resize)
         check_config(meta.get("config"), config)
-        state = _optimizer_state(meta, arrays, optimizer, os.fspath(directory), rank, size)
+        state, shard = _optimizer_state(meta, arrays, optimizer, os.fspath(directory), rank,
+                                        size)
     except Exception as failed:
         error = failed
     tokens = _agree(comm, error, f"checkpoint load ({path})", timeout, token)
@@ -501,9 +487,8 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     for i, b in enumerate(buffers):
         _copy_into(b, arrays[f"buffers/{i}"])
     if state is not None and optimizer is not None:
-        if (isinstance(optimizer, ZeroRedundancyOptimizer) and meta["optimizer"] == "zero-sharded"
-                and meta["world_size"] == size):
-            optimizer.local.load_state_dict(state)
+        if shard:
+            optimizer.load_shard_state_dict(state)
         else:
             optimizer.load_state_dict(state)
     extra = {k[len("extra/"):]: v for k, v in arrays.items() if k.startswith("extra/")}
@@ -534,38 +519,37 @@ def _layout(arrays: list) -> str:
 
 
 def _optimizer_state(meta: dict, arrays: dict[str, np.ndarray], optimizer: Any,
-                     directory: str, rank: int, size: int) -> dict[str, Any] | None:
-    """The state dict to load into `optimizer` (or its shard), checked against it."""
+                     directory: str, rank: int, size: int) -> tuple[dict[str, Any] | None, bool]:
+    """The state dict to load into `optimizer`, checked against it, and whether it is this
+    rank's shard (else the full state)."""
     saved, wanted = meta["optimizer"], _optimizer_kind(optimizer, "sharded")
     full = saved in ("local", "zero-consolidated")
     if saved == "none" and wanted == "none":
-        return None
+        return None, False
     if "none" in (saved, wanted) or (saved == "zero-sharded" and wanted == "local"):
         raise ValueError(f"the checkpoint holds optimizer state of kind {saved!r}, the optimizer "
                          f"given is {'none' if optimizer is None else type(optimizer).__name__}"
                          " (a full state loads into a local optimizer or a "
                          "ZeroRedundancyOptimizer; a sharded one only into the latter)")
     if not full and meta["world_size"] != size:  # re-shard: this rank reads every shard
-        full, (state_meta, arrays) = True, _gathered_shards(meta, directory, optimizer.params)
+        full, (state_meta, arrays) = True, _gathered_shards(
+            meta, directory, optimizer.shard_owners(meta["world_size"]))
     else:
         state_meta = meta.get("optimizer_state", {})
-    if full:
-        live = optimizer.local if wanted.startswith("zero") else optimizer
-        state = _unflatten(state_meta, arrays, "optimizer", live)
-        _check_state(state, live, [tuple(p.shape) for p in optimizer.params])
-        return state
-    shard = _read(_shard_path(directory, rank, size, meta["token"]))
-    state = _unflatten(json.loads(str(shard["meta"])), shard, "optimizer", optimizer.local)
-    _check_state(state, optimizer.local, [tuple(p.shape) for p in optimizer.local.params])
-    return state
+    if not full:
+        shard = _read(_shard_path(directory, rank, size, meta["token"]))
+        state_meta, arrays = json.loads(str(shard["meta"])), shard
+    state = _unflatten(state_meta, arrays, "optimizer", optimizer)
+    optimizer.check_state_dict(state, shard=not full, source="the checkpoint")
+    return state, not full
 
 
-def _gathered_shards(meta: dict, directory: str, params: Sequence[Any]
+def _gathered_shards(meta: dict, directory: str, owners: list[int]
                      ) -> tuple[dict, dict[str, np.ndarray]]:
-    """A ZeRO state saved sharded (at another world size) as one full state: every saved
-    rank's shard file, its parameters numbered as in the whole model."""
+    """A state saved sharded (at another world size) as one full state: every saved rank's
+    shard file, its parameters numbered as in the whole model (`owners`: the saving rank of
+    each parameter)."""
     world = meta["world_size"]
-    owners = partition([p.nbytes for p in params], world)  # as the saving optimizer had them
     full: dict[str, Any] = {}
     arrays: dict[str, np.ndarray] = {}
     for rank in range(world):

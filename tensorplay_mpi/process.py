@@ -192,8 +192,6 @@ STATE: tuple[State, ...] = (
           "freed with each communicator"),
     State("the verdicts' communicator, debug mode by the plugin", "testing.py", "",
           "the test session's"),
-    State("gradient views by data address (weak)", "parallel/buckets.py", "",
-          "weak: gone with their DataParallel"),
     State("the attribute on users' torch parameters (a weak reference to their binding)",
           "parallel/torch_grads.py", "", "weak: dead with their DataParallel"),
     State("whether the fused kernels (numba) import; compiled CuPy kernels", "optim/rules.py",

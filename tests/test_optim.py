@@ -123,7 +123,7 @@ def test_bad_arguments(make, error, match):
 
 def test_loading_another_optimizers_state_is_a_value_error():
     params, grads_per_step = problem()
-    with pytest.raises(ValueError, match="state dict of Adam loaded into SGD"):
+    with pytest.raises(ValueError, match="the state dict holds Adam state, the optimizer is SGD"):
         SGD(params, grads_per_step[0], lr=0.1, momentum=0.9).load_state_dict(
             Adam(params, grads_per_step[0]).state_dict())
 
@@ -338,10 +338,14 @@ def test_cupy_kernels_follow_the_rule(kind):
     assert_params_close([cupy.asnumpy(p) for p in params], expected)
 
 
-def test_an_optimizer_bound_to_a_plain_list_of_dp_grads_is_recognised_too():
+def test_only_dp_grads_itself_links_an_optimizer_to_its_dataparallel():
     params = [np.ones(3), np.ones(2)]
     dp = DataParallel(params)
-    opt = Adam(params, list(dp.grads))  # the same views, not the GradientViews object
+    Adam(params, list(dp.grads))  # the same views in a plain list: no link, not checked
+    with Join([dp]):
+        with dp.step():
+            pass
+    opt = Adam(params, dp.grads)  # linked: its DataParallel checks its Joins
     with pytest.raises(RuntimeError, match=r"Adam holds optimizer state .* Join\(\[dp, opt\]\)"):
         with Join([dp]):
             with dp.step():

@@ -131,7 +131,7 @@ class Joinable(ABC):
         """
         return _bound_join(self)
 
-    def _bind_join(self, join: "Join | None") -> None:
+    def _set_join_context(self, join: "Join | None") -> None:
         """Bind this joinable to `join` from its ``__enter__`` to its ``__exit__`` (``None``):
         the only writer of :attr:`join_context`."""
         self._bound_join = join
@@ -373,7 +373,7 @@ class Join:
             self._guard.replica_check_due = False
             check_replicas(self._comm, self._joinables, self._timeout)
         for joinable in self._joinables:
-            joinable._bind_join(self)
+            joinable._set_join_context(self)
         if self._enable:
             _running.append(self)
         return self
@@ -473,7 +473,7 @@ class Join:
             if self in _running:
                 _running.remove(self)
             for joinable in self._joinables:
-                joinable._bind_join(None)
+                joinable._set_join_context(None)
             if self._guard is not None:
                 self._guard.forget_settled()  # the exception, its frames and their objects
                 self._guard.drain()  # stall questions that came while this rank computed

@@ -16,54 +16,22 @@ counts included) stay bitwise identical on every rank.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.join import Join, Joinable, JoinHook
-from ..buffers import check_disjoint, device_of, zeros_like
-from ..comm import check_comm, default_comm
-from ..parallel.buckets import GradientViews
+from ..buffers import device_of, zeros_like
+from ..comm import check_comm
+from ..gradient_link import GradientViews, check_places, comm_of, used_of
 from ..tensors import as_arrays
 from . import rules
 from ..process import set_up
 from .clip import clip_grad_norm
+from .protocol import OptimizerState, check_params, check_state
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
-
-
-def check_params(params: list[Any], grads: list[Any]) -> None:
-    """Raise unless `params` are writable, C-contiguous floating arrays shaped like `grads`,
-    and no two of the params and grads share memory."""
-    if len(params) != len(grads):
-        raise ValueError(f"got {len(params)} params but {len(grads)} grads")
-    for i, (p, g) in enumerate(zip(params, grads)):
-        if p.shape != g.shape:
-            raise ValueError(f"grads[{i}] has shape {g.shape}, params[{i}] has {p.shape}")
-        if p.dtype.kind != "f":
-            raise TypeError(f"params[{i}] must be floating point, got {p.dtype}")
-        if not (p.flags.c_contiguous and is_writeable(p)):
-            raise ValueError(f"params[{i}] must be C-contiguous and writable (it is updated "
-                             "in place)")
-    check_disjoint(params=params, grads=grads)
-
-
-def is_writeable(array: Any) -> bool:
-    return getattr(array.flags, "writeable", True)  # CuPy's flags have no such field
-
-
-def comm_of_grads(grads: Any) -> MPI.Intracomm:
-    """The communicator of the DataParallel owning `grads` (``dp.grads``), else the default.
-
-    The link is found, not passed: :meth:`GradientViews.of` looks the first gradient's data
-    address up in a process-wide table of weak references (``parallel/buckets.py``), so
-    ``list(dp.grads)`` is recognised too, and copies of the gradients are not.
-    """
-    views = GradientViews.of(grads)
-    owner = None if views is None else views.owner
-    return default_comm() if owner is None else owner.comm
 
 
 def _values(group: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +43,7 @@ def _zeros_like(p: Any) -> Any:
     return rules.aligned_zeros(p.shape, p.dtype) if type(p) is np.ndarray else zeros_like(p)
 
 
-class Optimizer(Joinable):
+class Optimizer(Joinable, OptimizerState):
     """Base class: bound params and grads, one group of hyperparameters, per-parameter state.
 
     Subclasses set :attr:`state_names` and implement :meth:`_update` and :meth:`_checked`.
@@ -118,8 +86,8 @@ class Optimizer(Joinable):
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  comm: MPI.Intracomm | None = None, **defaults: Any) -> None:
         super().__init__()
-        self._grad_views = GradientViews.of(grads)
-        self.comm = check_comm(comm_of_grads(grads) if comm is None else comm)
+        self._link = GradientViews.of(grads)  # dp.grads carries its DataParallel, else None
+        self.comm = check_comm(comm_of(self._link) if comm is None else comm)
         self.params = as_arrays(params, "params")  # torch tensors: NumPy views
         self.grads = as_arrays(grads, "grads")
         check_params(self.params, self.grads)
@@ -134,9 +102,8 @@ class Optimizer(Joinable):
         self._flat = [p.reshape(-1) for p in self.params]  # views: a 0-d param is (1,)
         self._flat_state = [{k: a.reshape(-1) for k, a in s.items()} for s in self.state]
         self._scratch = rules.Scratch()
-        if self._grad_views is not None:  # DataParallel then checks its Joins for us
-            self._grad_views.bind(self, must_join=bool(self.state_names))
-        self._checked_join: weakref.ref | None = None  # weak: the Join's hook holds self
+        if self._link is not None:  # DataParallel then checks its Joins for us
+            self._link.step_with(self, must_join=bool(self.state_names))
 
     def step(self) -> None:
         """Update every parameter in place from its gradient (local: no communication)."""
@@ -152,8 +119,7 @@ class Optimizer(Joinable):
         DataParallel owning the gradients, else all.
         """
         if used is None:
-            owner = None if self._grad_views is None else self._grad_views.owner
-            used = None if owner is None else owner.used
+            used = used_of(self._link)
         hyper = self._hyper(self.steps + 1)
         self.steps += 1
         if hyper.get("max_grad_norm") is not None:
@@ -213,25 +179,9 @@ class Optimizer(Joinable):
             If it is for another optimizer class, another number of parameters, or another
             state shape, or it names a schedule that this optimizer does not have.
         """
-        if state_dict["optimizer"] != type(self).__name__:
-            raise ValueError(f"state dict of {state_dict['optimizer']} loaded into "
-                             f"{type(self).__name__}")
-        state = state_dict["state"]
-        if sorted(state) != list(range(len(self.params))):
-            raise ValueError(f"state dict holds parameters {sorted(state)}, this optimizer has "
-                             f"{len(self.params)}")
-        for i, mine in enumerate(self.state):
-            for name, array in mine.items():
-                shape = tuple(getattr(state[i].get(name), "shape", (None,)))
-                if shape != array.shape:
-                    raise ValueError(f"state[{i}][{name!r}] has shape {shape}, expected "
-                                     f"{array.shape}")
+        self.check_state_dict(state_dict)
         schedules = {k: v for k, v in self.param_groups[0].items() if callable(v)}
-        missing = [k for k in state_dict.get("schedules", ()) if k not in schedules]
-        if missing:
-            raise ValueError(f"the state dict was saved with a schedule (a callable) for "
-                             f"{missing}, which a state dict does not store: construct this "
-                             "optimizer with the same schedule, then load")
+        state = state_dict["state"]
         for i, mine in enumerate(self.state):
             for name, array in mine.items():
                 array[...] = state[i][name]
@@ -242,6 +192,20 @@ class Optimizer(Joinable):
         self.steps = int(state_dict["steps"])
         param_steps = state_dict.get("param_steps")  # absent before per-parameter counts
         self.param_steps[...] = self.steps if param_steps is None else param_steps
+
+    def check_state_dict(self, state_dict: dict[str, Any], shard: bool = False,
+                         source: str = "the state dict") -> None:
+        """Raise ``ValueError`` unless `state_dict` fits: this optimizer class, one entry per
+        parameter shaped like it, and no schedule (a callable) that this optimizer lacks.
+        `shard` makes no difference: a local optimizer's part is its whole state."""
+        check_state(state_dict, type(self).__name__, self.state_names,
+                    [p.shape for p in self.params], source)
+        schedules = [k for k, v in self.param_groups[0].items() if callable(v)]
+        missing = [k for k in state_dict.get("schedules", ()) if k not in schedules]
+        if missing:
+            raise ValueError(f"{source} was saved with a schedule (a callable) for "
+                             f"{missing}, which a state dict does not store: construct this "
+                             "optimizer with the same schedule, then load")
 
     def set_hyperparameter(self, name: str, value: Any) -> None:
         """Set `name` to `value` in :attr:`defaults` and in every group of :attr:`param_groups`."""
@@ -267,24 +231,8 @@ class Optimizer(Joinable):
         return self.comm
 
     def end_iteration(self) -> None:
-        """Check once per Join, on every rank, that the joinable writing the grads comes first."""
-        join = self.join_context
-        if join is not None and (self._checked_join is None or self._checked_join() is not join):
-            self._check_place(join.joinables)
-            self._checked_join = weakref.ref(join)
-
-    def _check_place(self, joinables: tuple[Joinable, ...]) -> None:
-        me = next(k for k, j in enumerate(joinables) if j is self)
-        if self._grad_views is not None:
-            ok = any(j is self._grad_views.owner for j in joinables[:me])
-        else:
-            ok = me > 0
-        if not ok:
-            names = ", ".join(type(j).__name__ for j in joinables)
-            raise RuntimeError(
-                f"{type(self).__name__} steps with the gradients that a DataParallel averages, "
-                f"so that DataParallel must come before it in the Join: Join([dp, opt]) "
-                f"(got Join([{names}]))")
+        """Check, on every rank, that the joinable writing the grads comes first."""
+        check_places(self.join_context, self, self._link, must_join=False)
 
 
 class _OptimizerHook(JoinHook):

@@ -22,10 +22,11 @@ from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join, JoinHook
 from ..buffers import check_disjoint, device_of, zeros_like
 from ..comm import Work, ibcast, irecv, isend
-from ..parallel.buckets import GradientViews
+from ..gradient_link import GradientViews, check_places, comm_of, used_of
 from ..tensors import as_arrays
 from .clip import clip_grad_norm
-from .local import Adam, Optimizer, comm_of_grads, is_writeable, check_params
+from .local import Adam, Optimizer
+from .protocol import OptimizerState, check_params, check_state, is_writeable
 
 __all__ = ["DIRECT_BYTES", "ZeroRedundancyOptimizer", "partition"]
 
@@ -49,7 +50,7 @@ def partition(nbytes: Sequence[int], size: int) -> list[int]:
     return owners
 
 
-class ZeroRedundancyOptimizer(GuardedJoinable):
+class ZeroRedundancyOptimizer(GuardedJoinable, OptimizerState):
     """Optimizer whose state is sharded over the ranks of `comm`.
 
     Collective over `comm`: every rank constructs it with the same parameter shapes, dtypes
@@ -84,9 +85,10 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  optimizer_class: type[Optimizer] = Adam, comm: MPI.Intracomm | None = None,
                  timeout: float | None = None, **defaults: Any) -> None:
-        super().__init__(comm_of_grads(grads) if comm is None else comm, timeout)
+        link = GradientViews.of(grads)  # dp.grads carries its DataParallel, else None
+        super().__init__(comm_of(link) if comm is None else comm, timeout)
         self.params = as_arrays(params, "params")  # torch tensors: NumPy views
-        views, grads = grads, as_arrays(grads, "grads")
+        grads = as_arrays(grads, "grads")
         try:  # memory sharing is no part of the layout: a rank that has it refuses
             check_disjoint(params=self.params, grads=grads)
             refused = None
@@ -116,15 +118,22 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
                                      **defaults)
         self._packs, self._direct = self._sync_plan()
         self._consolidated: dict[str, Any] | None = None
-        bound = self._views = GradientViews.of(views)
+        self._link = link
         self._shard_index = np.asarray(self.shard, dtype=np.intp)
-        if bound is not None:  # DataParallel's Joins must list this optimizer, which steps
-            bound.bind(self, must_join=True)  # in place of its shard optimizer
+        if link is not None:  # DataParallel's Joins must list this optimizer, which steps
+            link.step_with(self, must_join=True)  # in place of its shard optimizer
+
+    sharded = True
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         """The hyperparameters of this rank's shard optimizer, read at each step."""
         return self.local.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The constructor's hyperparameters of this rank's shard optimizer."""
+        return self.local.defaults
 
     def step(self) -> None:
         """Step this rank's shard, then broadcast every parameter from its owner.
@@ -162,8 +171,7 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
     def _step_shard_and_sync(self) -> None:
         if self.max_grad_norm is not None:
             clip_grad_norm(self.grads, self.max_grad_norm)
-        owner = None if self._views is None else self._views.owner
-        used = None if owner is None else owner.used
+        used = used_of(self._link)
         self.local.update(None if used is None else used[self._shard_index])
         works = []
         for owner, flat, views in self._packs:
@@ -242,17 +250,37 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
         ValueError
             If it does not match these parameters or this optimizer class.
         """
+        self.check_state_dict(state_dict)
         state = state_dict["state"]
-        if sorted(state) != list(range(len(self.params))):
-            raise ValueError(f"state dict holds parameters {sorted(state)}, this optimizer has "
-                             f"{len(self.params)}")
         steps = state_dict.get("param_steps")
         steps = np.full(len(self.params), state_dict["steps"]) if steps is None else \
             np.asarray(steps)
         shard = dict(state_dict, state={k: state[i] for k, i in enumerate(self.shard)},
                      param_steps=steps[self._shard_index])
-        self.local.load_state_dict(shard)
+        self.load_shard_state_dict(shard)
+
+    def check_state_dict(self, state_dict: dict[str, Any], shard: bool = False,
+                         source: str = "the state dict") -> None:
+        """Raise ``ValueError`` unless `state_dict` is a state of `optimizer_class` for every
+        parameter, or with `shard` for this rank's shard (numbered from 0)."""
+        if shard:  # the shard optimizer's own check
+            self.local.check_state_dict(state_dict, source=source)
+        else:
+            check_state(state_dict, self.optimizer_class.__name__, self.local.state_names,
+                        [p.shape for p in self.params], source)
+
+    def shard_state_dict(self) -> dict[str, Any]:
+        """The state of this rank's shard (its parameters numbered from 0); local."""
+        return self.local.state_dict()
+
+    def load_shard_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`shard_state_dict` gave on this rank at the same world size."""
+        self.local.load_state_dict(state_dict)
         self.local.set_hyperparameter("max_grad_norm", None)  # ZeRO clips all, never a shard
+
+    def shard_owners(self, size: int) -> list[int]:
+        """The owner of each parameter at world size `size`, as every rank computes it."""
+        return partition([p.nbytes for p in self.params], size)
 
     # -- Joinable ------------------------------------------------------------------------------
 
@@ -262,6 +290,12 @@ class ZeroRedundancyOptimizer(GuardedJoinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return _ZeroHook(self)
+
+    def end_iteration(self) -> None:
+        """With ``dp.grads``: check, on every rank, that their DataParallel comes first (alone
+        in a Join, with gradients of its own, it needs nothing before it)."""
+        if self._link is not None:
+            check_places(self.join_context, self, self._link, must_join=False)
 
 
 class _ZeroHook(JoinHook):

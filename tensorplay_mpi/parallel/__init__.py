@@ -1,6 +1,6 @@
 """Data parallelism: gradient averaging in buckets as a Joinable."""
 
-from .buckets import GradientViews
+from ..gradient_link import GradientViews
 from .data_parallel import DataParallel
 
 __all__ = ["DataParallel", "GradientViews"]

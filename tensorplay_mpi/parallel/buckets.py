@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..buffers import zeros_like
-from ..tensors import as_array
 
-__all__ = ["Bucket", "GradientViews", "make_buckets"]
+__all__ = ["Bucket", "make_buckets"]
 
 
 class Bucket:
@@ -104,100 +102,3 @@ def _no_gradient(param: Any) -> np.ndarray:
     parameters are torch parameters, so on the CPU; torch refuses read-only arrays)."""
     return np.lib.stride_tricks.as_strided(np.zeros(1, param.dtype), param.shape,
                                            (0,) * param.ndim)
-
-
-_VIEWS_OF_MEMORY: "weakref.WeakValueDictionary[tuple, GradientViews]" = \
-    weakref.WeakValueDictionary()
-"""(data address, shape) of the first view -> its GradientViews, while they live: how an
-optimizer given ``dp.grads`` or ``list(dp.grads)`` finds its DataParallel
-(:meth:`GradientViews.of`).  Owned by :class:`GradientViews`, which registers itself."""
-
-
-def _memory(array: Any) -> tuple:
-    array = as_array(array)
-    interface = getattr(array, "__array_interface__", None) or getattr(
-        array, "__cuda_array_interface__", {})
-    return interface.get("data", (None,))[0], getattr(array, "shape", None)
-
-
-class GradientViews(Sequence):
-    """The gradients, as views into the buckets: read them, write into them, never rebind.
-
-    ``grads[i]`` is an array (a torch tensor for torch parameters) shaped like parameter ``i``
-    (use it as ``out=``, or write ``grads[i][...] = g``); ``grads[i] = g`` copies `g` into it
-    after checking its shape.
-
-    The optimizer bound to these gradients last is the one that steps with them: binding a
-    new one (``opt = SGD(params, dp.grads)`` after an Adam) replaces the previous one at once,
-    whatever still references it.  When it holds state, every Join of their DataParallel must
-    list it too (:meth:`check_optimizer`).
-    """
-
-    def __init__(self, views: list[np.ndarray], owner: Any = None) -> None:
-        self._views = tuple(views)
-        self._owner = None if owner is None else weakref.ref(owner)
-        self._optimizer: weakref.ref | None = None  # the optimizer bound last, if it must join
-        self._checked: weakref.ref | None = None  # the Join checked last
-        if self._views:
-            _VIEWS_OF_MEMORY[_memory(self._views[0])] = self
-
-    @staticmethod
-    def of(grads: Any) -> "GradientViews | None":
-        """The GradientViews `grads` is, or whose views it holds (``list(dp.grads)``), else
-        ``None``: an optimizer bound to copies of the list is still recognised."""
-        if isinstance(grads, GradientViews):
-            return grads
-        views = _VIEWS_OF_MEMORY.get(_memory(grads[0])) if len(grads) else None
-        if views is None or len(views) != len(grads):
-            return None
-        return views if all(g is v for g, v in zip(grads, views)) else None
-
-    @property
-    def owner(self) -> Any:
-        """The DataParallel these gradients belong to (None if unknown or collected)."""
-        return None if self._owner is None else self._owner()
-
-    def bind(self, optimizer: Any, must_join: bool) -> None:
-        """`optimizer` steps with these gradients from now on, replacing any bound before.
-
-        `must_join`: it holds state (or communicates), so it must be in every Join.
-        """
-        self._optimizer = weakref.ref(optimizer) if must_join else None
-        self._checked = None
-
-    def stateful_optimizer(self) -> Any:
-        """The optimizer bound last, if it must be in every Join (else None)."""
-        return None if self._optimizer is None else self._optimizer()
-
-    def check_optimizer(self, join: Any) -> None:
-        """Raise ``RuntimeError`` if :meth:`stateful_optimizer` is missing from `join` (once
-        per Join).  Deterministic from the Join's list, so every rank raises at the same point.
-        """
-        if join is None or (self._checked is not None and self._checked() is join):
-            return
-        optimizer = self.stateful_optimizer()
-        if optimizer is not None and not any(j is optimizer for j in join.joinables):
-            raise RuntimeError(
-                f"{type(optimizer).__name__} holds optimizer state and steps with dp.grads, "
-                f"but it is not in the Join: ranks that join early would skip its steps and "
-                f"the replicas would diverge. List it after DataParallel: Join([dp, opt])")
-        self._checked = weakref.ref(join)
-
-    def __len__(self) -> int:
-        return len(self._views)
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._views[index]
-
-    def __setitem__(self, index: int, value: Any) -> None:
-        view = self._views[index]
-        shape = getattr(value, "shape", None)
-        if shape is None:
-            shape = np.shape(value)
-        if tuple(shape) != view.shape:
-            raise ValueError(f"grads[{index}] has shape {tuple(view.shape)}, got an array of shape "
-                             f"{tuple(shape)}")
-        as_array(view)[...] = as_array(value)
-
-    def __repr__(self) -> str:
-        return f"GradientViews({[v.shape for v in self._views]})"

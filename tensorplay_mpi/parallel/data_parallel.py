@@ -38,7 +38,8 @@ from ..algorithms.join import Join, JoinHook
 from ..buffers import check_disjoint, device_of, is_device_array
 from ..comm import Work, iallreduce, ibcast
 from ..tensors import as_array, as_arrays, is_tensor, like
-from .buckets import GradientViews, make_buckets
+from ..gradient_link import GradientViews, check_places, in_join
+from .buckets import make_buckets
 from .torch_grads import TorchGradients, check_unbound, frozen_mask
 
 __all__ = ["DataParallel"]
@@ -288,7 +289,7 @@ class DataParallel(GuardedJoinable):
                               broadcast_from=broadcast_from, bucket_cap_mb=bucket_cap_mb)
         self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20,
                                                              frozen)
-        self.grads = GradientViews([like(p, v) for p, v in zip(given, views)], owner=self)
+        self.grads = GradientViews([like(p, v) for p, v in zip(given, views)], self)
         self._broadcast(self.params + self.buffers, broadcast_from, "initial broadcast")
         self._overlap = overlap
         self._torch = TorchGradients(given, self.grads, DataParallel._accumulated, self)
@@ -421,12 +422,12 @@ class DataParallel(GuardedJoinable):
             if self._manual.size:
                 self._mark_manual(unused)
             if self._torch:
-                self._torch.bind(range(len(self.params)))
+                self._torch.point_grads_at_buckets(range(len(self.params)))
             if self.buffers:
                 self._resolve(step)  # the forward pass reads the broadcast buffers
             yield self
             if self._torch:  # what no hook saw: model.zero_grad() inside the step, say
-                self._torch.bind(np.flatnonzero(~step.ready).tolist())
+                self._torch.point_grads_at_buckets(np.flatnonzero(~step.ready).tolist())
             self._finish_buckets(step)
             self._after_step(step)
 
@@ -463,7 +464,7 @@ class DataParallel(GuardedJoinable):
     def _accumulated(self, index: int) -> None:
         """The post-accumulate-grad hook of torch parameter `index`: bind, then (overlap) mark
         ready after the step's last micro-batch."""
-        self._torch.bind((index,))
+        self._torch.point_grads_at_buckets((index,))
         self._has[index] = True
         step = self._step
         if not self._overlap or step is None or (step.ready[index] and not step.syncs):
@@ -552,10 +553,10 @@ class DataParallel(GuardedJoinable):
             raise RuntimeError(
                 f"{syncing} of {active} active ranks synchronise gradients in this step: every "
                 "active rank must use dp.no_sync() for the same steps")
-        optimizer = self.grads.stateful_optimizer()
+        optimizer = self.grads.stateful_optimizer
         join = self.join_context
         if not syncing and optimizer is not None and join is not None \
-                and any(j is optimizer for j in join.joinables):
+                and in_join(join, optimizer):
             raise RuntimeError(
                 f"dp.no_sync() while a rank has joined, with {type(optimizer).__name__} in the "
                 "Join: a joined rank steps it every round, so its state would diverge. "
@@ -667,7 +668,8 @@ class DataParallel(GuardedJoinable):
         no ``dp.step()`` may have been called without ``with``."""
         self._check_entered()
         if self._update is None:  # with update=, the optimizer steps there, not in the Join
-            self.grads.check_optimizer(self.join_context)
+            check_places(self.join_context, self.grads.stateful_optimizer, self.grads,
+                         must_join=True)
 
     def replicated_arrays(self) -> list[Any]:
         """The parameters and buffers: the same on every rank."""

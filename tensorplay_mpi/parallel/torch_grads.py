@@ -4,10 +4,11 @@
 ``p.grad`` to the parameter's view into its bucket makes autograd write where the allreduce
 reads, without a copy.  torch unbinds it in two ways: ``model.zero_grad()`` (``set_to_none``
 by default) sets ``p.grad = None``, after which a backward pass stores a fresh tensor; and a
-caller may assign ``p.grad``.  :meth:`TorchGradients.bind` repairs either before the bucket is
-read: a gradient of ``None`` is zero, another tensor is copied into the view, and ``p.grad``
-is the view again.  DataParallel binds at every step's start, in the post-accumulate-grad hook
-of each parameter, and at the step's end for parameters no hook marked ready.
+caller may assign ``p.grad``.  :meth:`TorchGradients.point_grads_at_buckets` repairs either
+before the bucket is read: a gradient of ``None`` is zero, another tensor is copied into the
+view, and ``p.grad`` is the view again.  DataParallel points them there at every step's
+start, in the post-accumulate-grad hook of each parameter, and at the step's end for
+parameters no hook marked ready.
 
 Which parameters have a gradient, in torch's sense (``p.grad is not None`` in a program
 without DataParallel), is tracked in :attr:`TorchGradients.has`: a ``None`` found when binding
@@ -86,7 +87,7 @@ class TorchGradients:
         self.has = np.ones(len(params), dtype=bool)
         self.bound = np.zeros(len(params), dtype=bool)
         self.bound[list(self._params)] = True
-        self.bind(self._params)
+        self.point_grads_at_buckets(self._params)
         for p in self._params.values():
             setattr(p, _BINDING, weakref.ref(self))
         if on_accumulated is not None:
@@ -97,7 +98,7 @@ class TorchGradients:
     def __bool__(self) -> bool:
         return bool(self._params)
 
-    def bind(self, indices: Iterable[int]) -> None:
+    def point_grads_at_buckets(self, indices: Iterable[int]) -> None:
         """Make ``p.grad`` the bucket view of each parameter in `indices` (those bound),
         keeping its value: ``None`` is zero, another tensor is copied in."""
         for i in indices:
