@@ -122,18 +122,18 @@ def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Reques
            args: tuple, keep: tuple, value: Any, staging: Staging,
            signature: Callable[[], str] | None = None,
            finish: Callable[[Any], Any] | None = None,
-           description: Callable[[], tuple | None] | None = None) -> Work:
+           description: tuple = ("", None)) -> Work:
     """The one place where every library operation starts.
 
     The Work's result is `value`, or ``finish(value)``; staged buffers are copied back first.
     Host buffers (nothing staged, no `finish`) need no completion callback at all.
-    `description` gives what a lagging rank would start to match it (:mod:`~tensorplay_mpi.drain`).
+    `description` is ``(kind, buffer[, op, root])`` for :func:`~tensorplay_mpi.drain.replay`:
+    what a lagging rank would start to match it after a failure.
     """
     settings()  # a bad environment value raises here, before the operation starts
     guard = Guard.of(comm)
     if guard is not None:
-        guard.before_collective(kind, what, signature,
-                                None if description is None else description())
+        guard.before_collective(kind, what, signature, replay(*description))
     if not staging.copies_back and finish is None:
         return Work(start(*args), what, keep + staging.hosts, None, guard, value)
 
@@ -176,7 +176,7 @@ def iallreduce(
     return _start(comm, what, "allreduce", comm.Iallreduce, args, (send, recv), recvbuf,
                   staging,
                   lambda: f"allreduce {_describe(recv)} op={op_name(op) or 'user-defined'}",
-                  finish, lambda: replay("allreduce", recv, op))
+                  finish, ("allreduce", recv, op))
 
 
 def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Work:
@@ -192,7 +192,7 @@ def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Wor
         mpi_buf = staging.read(data) if comm.Get_rank() == root else staging.write(data)
     return _start(comm, what, "bcast", comm.Ibcast, (mpi_buf, root), (data,), buf,
                   staging, lambda: f"bcast {_describe(data)} root={root}",
-                  description=lambda: replay("bcast", data, root=root))
+                  description=("bcast", data, None, root))
 
 
 def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "allgather") -> Work:
@@ -205,7 +205,7 @@ def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "all
     args = (staging.read(send), staging.write(recv))
     return _start(comm, what, "allgather", comm.Iallgather, args, (send, recv),
                   recvbuf, staging, lambda: f"allgather {_describe(send)}",
-                  description=lambda: replay("allgather", send))
+                  description=("allgather", send))
 
 
 def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[int],

@@ -45,18 +45,29 @@ _FIELDS = 5  # kind, count, dtype char, op index, root
 
 
 def replay(kind: str, buf: Any, op: MPI.Op | None = None, root: int = -1) -> tuple | None:
-    """The description of a collective that a lagging rank can start to match it: `buf` is
-    the receive buffer of an allreduce or broadcast, the send buffer of an allgather."""
+    """What describes a collective for a lagging rank to match it (encoded only when a drain
+    needs it, :meth:`ReplayLog.table`): `buf` is the receive buffer of an allreduce or
+    broadcast, the send buffer of an allgather.  On every library collective: kept cheap."""
     try:
-        dtype = np.dtype(buf.dtype)
-        count = int(buf.size)
-    except (AttributeError, TypeError):
+        return (kind, buf.size, buf.dtype, op, root)
+    except AttributeError:
         return None
-    name = op_name(op) if op is not None else ""
-    if name is None or dtype.char not in np.typecodes["All"] or dtype.kind in "OSUV":
-        return None
-    return (_KINDS.index(kind) + 1, count, ord(dtype.char), OPS.index(name) if name else -1,
-            root)
+
+
+def _encode(entry: tuple | None) -> tuple:
+    """An entry of the log as a row of int64 (all zeros: it cannot be replayed)."""
+    if entry is None:
+        return (0,) * _FIELDS
+    kind, count, dtype, op, root = entry
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return (0,) * _FIELDS
+    name = "" if op is None else op_name(op)
+    if name is None or dtype.kind not in "biufc" or np.dtype(dtype.char) != dtype:
+        return (0,) * _FIELDS
+    return (_KINDS.index(kind) + 1, int(count), ord(dtype.char),
+            OPS.index(name) if name else -1, int(root))
 
 
 class ReplayLog:
@@ -77,9 +88,7 @@ class ReplayLog:
         entries = list(self._entries)
         for i in range(started - first):
             at = len(entries) - (started - first) + i
-            entry = entries[at] if 0 <= at < len(entries) else None
-            if entry is not None:
-                rows[i] = entry
+            rows[i] = _encode(entries[at] if 0 <= at < len(entries) else None)
         return rows
 
 
