@@ -23,6 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .buffers import Staging, misordered
+from .drain import replay
 from .guard import Guard
 from .ops import OPS, op_name
 from .settings import positive_seconds, settings
@@ -120,16 +121,19 @@ def _buffer(buf: Any, name: str, what: str) -> Any:
 def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Request],
            args: tuple, keep: tuple, value: Any, staging: Staging,
            signature: Callable[[], str] | None = None,
-           finish: Callable[[Any], Any] | None = None) -> Work:
+           finish: Callable[[Any], Any] | None = None,
+           description: tuple = ("", None)) -> Work:
     """The one place where every library operation starts.
 
     The Work's result is `value`, or ``finish(value)``; staged buffers are copied back first.
     Host buffers (nothing staged, no `finish`) need no completion callback at all.
+    `description` is ``(kind, buffer[, op, root])`` for :func:`~tensorplay_mpi.drain.replay`:
+    what a lagging rank would start to match it after a failure.
     """
     settings()  # a bad environment value raises here, before the operation starts
     guard = Guard.of(comm)
     if guard is not None:
-        guard.before_collective(kind, what, signature)
+        guard.before_collective(kind, what, signature, replay(*description))
     if not staging.copies_back and finish is None:
         return Work(start(*args), what, keep + staging.hosts, None, guard, value)
 
@@ -172,7 +176,7 @@ def iallreduce(
     return _start(comm, what, "allreduce", comm.Iallreduce, args, (send, recv), recvbuf,
                   staging,
                   lambda: f"allreduce {_describe(recv)} op={op_name(op) or 'user-defined'}",
-                  finish)
+                  finish, ("allreduce", recv, op))
 
 
 def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Work:
@@ -187,7 +191,8 @@ def ibcast(comm: MPI.Intracomm, buf: Any, root: int, what: str = "bcast") -> Wor
         staging = Staging()
         mpi_buf = staging.read(data) if comm.Get_rank() == root else staging.write(data)
     return _start(comm, what, "bcast", comm.Ibcast, (mpi_buf, root), (data,), buf,
-                  staging, lambda: f"bcast {_describe(data)} root={root}")
+                  staging, lambda: f"bcast {_describe(data)} root={root}",
+                  description=("bcast", data, None, root))
 
 
 def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "allgather") -> Work:
@@ -199,7 +204,8 @@ def iallgather(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, what: str = "all
     staging = Staging()
     args = (staging.read(send), staging.write(recv))
     return _start(comm, what, "allgather", comm.Iallgather, args, (send, recv),
-                  recvbuf, staging, lambda: f"allgather {_describe(send)}")
+                  recvbuf, staging, lambda: f"allgather {_describe(send)}",
+                  description=("allgather", send))
 
 
 def iallgatherv(comm: MPI.Intracomm, sendbuf: Any, recvbuf: Any, counts: list[int],

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -88,6 +89,13 @@ class Sampler:
     shuffle : bool, default True
         Permute each shard per epoch; ``False`` keeps the ids in order.
 
+    Raises
+    ------
+    TypeError
+        If `num_samples`, `rank`, `size`, `batch_size` or `seed` is not an int.
+    ValueError
+        If `rank` is not in ``[0, size)``, ``batch_size < 1``, or :func:`shard_sizes` refuses.
+
     Examples
     --------
     ::
@@ -107,6 +115,10 @@ class Sampler:
 
     def __init__(self, num_samples: int, rank: int, size: int, *, batch_size: int,
                  seed: int = 0, skew: float = 0.0, shuffle: bool = True) -> None:
+        for name, value in (("num_samples", num_samples), ("rank", rank), ("size", size),
+                            ("batch_size", batch_size), ("seed", seed)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"Sampler: {name} must be an int, got {value!r}")
         if not 0 <= rank < size:
             raise ValueError(f"need 0 <= rank < size, got rank {rank}, size {size}")
         if batch_size < 1:

@@ -38,6 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .agreement import agree
+from .drain import ReplayLog, drain
 from .errors import CollectiveMismatchError, PeerFailureError
 from .settings import settings
 from .stall import ANSWER_TAG, QUERY_TAG, StallReport, answer
@@ -76,6 +77,8 @@ class Guard:
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._comm = MPI.Intracomm(comm)  # the guarded one (a handle, not the caller's object)
+        self.log = ReplayLog()  # the latest collectives started on it, for a drain
         self.notices = _idup(comm, "the guard's failure-notice communicator")
         self.checks = _idup(comm, "the guard's debug-check communicator")
         self.received: list[tuple] = []  # notices of the failure being settled
@@ -114,16 +117,20 @@ class Guard:
     # -- every library collective ----------------------------------------------------------
 
     def before_collective(self, kind: str, what: str,
-                          signature: Callable[[], str] | None) -> None:
-        """Refuse a broken communicator; count a collective; in debug mode, check that every
-        rank issues the same."""
+                          signature: Callable[[], str] | None,
+                          description: tuple | None = None) -> None:
+        """Refuse a broken communicator; count a collective (and log its `description`,
+        :func:`~tensorplay_mpi.drain.replay`); in debug mode, check that every rank issues
+        the same."""
         if self.broken is not None:
             raise self._unusable(f"cannot start {what}")
         if kind in _COLLECTIVES:
             if settings().debug and signature is not None:
                 self.started += 1  # the check is an operation of its own (on ``checks``)
+                self.log.append(None)
                 self._check_signatures(signature(), what)
             self.started += 1
+            self.log.append(description)
 
     def _check_signatures(self, signature: str, what: str) -> None:
         texts = agree(lambda row, every: Work(self.checks.Iallgather(row, every),
@@ -264,6 +271,8 @@ class Guard:
                            f"{fewest} (this rank {matched}), so an operation is unmatched")
         self.received.clear()
         self._first_notice = None
+        if self.broken is not None:  # every rank came: complete what is pending, if exactly
+            drain(self, self._comm, deadline + grace)
         return Verdict(self.broken is None, int(flags[3]))
 
 

@@ -17,12 +17,16 @@ code, the number of dimensions and the shape, ``int64[11]``) and its data into o
 padded to 8 bytes; one allgather of the rows (an ``Iallgather`` of the row counts and an
 ``Iallgatherv``; announced first when ranks have joined) gives every rank the others'
 tensors.  Ranks that have joined contribute no row: the list holds the active ranks' tensors.
-Integer states thus travel exactly; :func:`reduce_states` sums integers in int64 and floats in
-float64, two allreduces started together.
+Integer states thus travel exactly; :func:`reduce_states` first compares a digest of the
+states' names, shapes and kinds (``Iallreduce(int64[2], MAX)`` of ``[digest, -digest]``), then
+sums integers in int64 and floats in float64, two allreduces started together.  The check comes
+first and alone: states that differ between ranks would give allreduces of different counts,
+which MPI does not detect (it returns wrong numbers).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from typing import Any, Mapping
@@ -178,18 +182,39 @@ def gather_all_tensors(result: Any, group: Any = None) -> list[Any]:
     return gathered
 
 
-def _start_sum(group: JoinableComm | MPI.Intracomm, values: np.ndarray, what: str) -> Work:
+def _start_reduce(group: JoinableComm | MPI.Intracomm, values: np.ndarray, op: MPI.Op,
+                  what: str) -> Work:
     if isinstance(group, JoinableComm):
-        return group.iallreduce(values, MPI.SUM, out=values)
-    return iallreduce(group, MPI.IN_PLACE, values, MPI.SUM, what)
+        return group.iallreduce(values, op, out=values)
+    return iallreduce(group, MPI.IN_PLACE, values, op, what)
 
 
-def reduce_states(states: Mapping[str, Any], comm: Any = None) -> dict[str, Any]:
+def _check_layout(group: JoinableComm | MPI.Intracomm, arrays: Mapping[str, np.ndarray],
+                  timeout: float) -> None:
+    """Raise ``ValueError`` on every rank unless every (active) rank passes the same names,
+    shapes and kinds (integer or floating) to :func:`reduce_states`."""
+    layout = [(name, arrays[name].shape, arrays[name].dtype.kind in "biu")
+              for name in sorted(arrays)]
+    digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
+    value = max(int(np.frombuffer(digest, np.int64)[0]), -2**63 + 1)  # -value fits in int64
+    flags = np.array([value, -value], np.int64)
+    _start_reduce(group, flags, MPI.MAX, "reduce_states (layout check)").wait_or_abort(timeout)
+    if flags[0] != -flags[1]:
+        mine = ", ".join(f"{name!r}: {shape} {'int' if exact else 'float'}"
+                         for name, shape, exact in layout)
+        raise ValueError(f"reduce_states: ranks passed different states (names, shapes or "
+                         f"integer/floating kinds); pass the same on every rank. This rank "
+                         f"passed {{{mine}}}")
+
+
+def reduce_states(states: Mapping[str, Any], comm: Any = None, *,
+                  check: bool = True) -> dict[str, Any]:
     """The sum over ranks of each running metric state: counts exactly, floats in float64.
 
     Collective over `comm`: every rank must call it with the same names, shapes and kinds
-    (inside a Join, every active rank in the same iteration).  Integer and bool states are
-    summed as int64 (exact), floating ones as float64, in two allreduces started together.
+    (inside a Join, every active rank in the same iteration); that is checked first, with one
+    small allreduce, unless `check` is False.  Integer and bool states are then summed as
+    int64 (exact), floating ones as float64, in two allreduces started together.
 
     Parameters
     ----------
@@ -199,6 +224,10 @@ def reduce_states(states: Mapping[str, Any], comm: Any = None) -> dict[str, Any]
     comm : JoinableComm or mpi4py.MPI.Intracomm, optional
         Inside a Join, the :class:`JoinableComm` in the Join (joined ranks add zeros);
         outside one, any communicator (default ``MPI.COMM_WORLD``).
+    check : bool, default True
+        Compare the names, shapes and kinds across ranks before summing (one
+        ``Iallreduce(int64[2])`` waited for first).  Pass False only where every rank is known
+        to pass the same layout (a loop that checked it in its first iteration).
 
     Returns
     -------
@@ -209,6 +238,8 @@ def reduce_states(states: Mapping[str, Any], comm: Any = None) -> dict[str, Any]
     ------
     TypeError
         For a state that is not real numbers (complex, objects).
+    ValueError
+        On every rank, when ranks passed different names, shapes or kinds (`check`).
 
     Examples
     --------
@@ -223,6 +254,9 @@ def reduce_states(states: Mapping[str, Any], comm: Any = None) -> dict[str, Any]
         if array.dtype.kind not in "biuf":
             raise TypeError(f"reduce_states sums integer, bool and floating states; {name!r} "
                             f"has dtype {array.dtype}")
+    timeout = group.timeout if isinstance(group, JoinableComm) else default_timeout()
+    if check:
+        _check_layout(group, arrays, timeout)
     names = sorted(arrays)
     exact = [name for name in names if arrays[name].dtype.kind in "biu"]
     floating = [name for name in names if arrays[name].dtype.kind == "f"]
@@ -232,8 +266,8 @@ def reduce_states(states: Mapping[str, Any], comm: Any = None) -> dict[str, Any]
             if chosen else np.zeros(0, dtype)
         buffers.append(flat)
         if chosen:  # every rank passes the same names: the same allreduces
-            works.append(_start_sum(group, flat, f"reduce_states ({np.dtype(dtype).name})"))
-    timeout = group.timeout if isinstance(group, JoinableComm) else default_timeout()
+            works.append(_start_reduce(group, flat, MPI.SUM,
+                                       f"reduce_states ({np.dtype(dtype).name})"))
     for work in works:
         work.wait_or_abort(timeout)
     reduced: dict[str, Any] = {}

@@ -37,12 +37,21 @@ from .metrics import _group, _size, reduce_states
 __all__ = ["SyncBatchNorm"]
 
 
-def _sums(group: Any, floats: torch.Tensor, count: int | None = None) -> tuple:
-    """`floats` (float64) summed over the group's ranks, and `count` (int64) when given."""
+def _sums(group: Any, floats: torch.Tensor, count: int | None = None,
+          check: bool = False) -> tuple:
+    """`floats` (float64) summed over the group's ranks, and `count` (int64) when given; with
+    `check`, every rank's number of channels is compared first (see reduce_states): the
+    forward pass checks, so the backward pass (the same lengths) need not."""
     states: dict[str, Any] = {"sums": floats.numpy()}
     if count is not None:
         states["count"] = np.int64(count)
-    totals = reduce_states(states, group)
+    try:
+        totals = reduce_states(states, group, check=check)
+    except ValueError as error:
+        if not check or "ranks passed different states" not in str(error):
+            raise
+        raise ValueError(f"SyncBatchNorm: ranks have different numbers of channels (this rank "
+                         f"{floats.numel() // 2}): every rank must run the same model") from None
     return torch.from_numpy(totals["sums"]), (None if count is None else int(totals["count"]))
 
 
@@ -70,7 +79,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         channels = x.shape[1]
         flat = _by_channel(x.detach()).double()
         local = torch.cat([flat.sum((0, 2)), (flat * flat).sum((0, 2))])
-        totals, count = _sums(group, local, flat.shape[0] * flat.shape[2])
+        totals, count = _sums(group, local, flat.shape[0] * flat.shape[2], check=True)
         if count <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got "
                              f"{count} over every rank (input size {list(x.shape)} here)")

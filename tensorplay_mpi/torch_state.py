@@ -51,11 +51,13 @@ def state_arrays(obj: Any, prefix: str) -> dict[str, np.ndarray]:
     Raises
     ------
     TypeError
-        For a value that is none of the above (a function a scheduler kept, say: construct
+        For an `obj` without ``state_dict()``; for a value that is none of the above (a
+        function a scheduler kept, say: construct
         the scheduler with it again and it is not state), or a tensor NumPy cannot hold
         (bfloat16, on a GPU), naming where it is in the state dict.
     """
     _check_prefix(prefix)
+    _check_stateful(obj, "state_dict")
     arrays: dict[str, np.ndarray] = {}
     tree = _encode(obj.state_dict(), arrays, prefix, "state_dict()")
     arrays[f"{prefix}/tree"] = np.array(json.dumps(tree, allow_nan=True))
@@ -69,14 +71,23 @@ def load_state_arrays(obj: Any, arrays: Mapping[str, np.ndarray], prefix: str) -
     ------
     KeyError
         If `arrays` (``resumed.extra``) hold nothing under `prefix`, naming the prefixes found.
+    TypeError
+        For an `obj` without ``load_state_dict()``.
     """
     _check_prefix(prefix)
     key = f"{prefix}/tree"
     if key not in arrays:
         found = sorted({k.rsplit("/", 1)[0] for k in arrays if k.endswith("/tree")})
         raise KeyError(f"no torch state saved under {prefix!r} (found: {found})")
+    _check_stateful(obj, "load_state_dict")
     tree = json.loads(str(arrays[key]))
     obj.load_state_dict(_decode(tree, arrays, prefix))
+
+
+def _check_stateful(obj: Any, method: str) -> None:
+    if not callable(getattr(obj, method, None)):
+        raise TypeError(f"expected a torch optimizer or learning-rate scheduler (an object with "
+                        f"{method}()), got {type(obj).__name__}")
 
 
 def _check_prefix(prefix: str) -> None:

@@ -100,7 +100,7 @@ class Work:
     """
 
     __slots__ = ("_request", "_what", "_keep", "_finish", "_result", "_done", "_testing",
-                 "poller")
+                 "poller", "_void")
 
     def __init__(self, request: MPI.Request, what: str, keep: tuple = (),
                  finish: Callable[[], Any] | None = None, poller: Poller | None = None,
@@ -113,6 +113,7 @@ class Work:
         self._done = False
         self._testing = threading.Lock()  # held by the one thread testing the request
         self.poller = poller
+        self._void: str | None = None  # why its result is meaningless (a failure's drain)
         global _starts
         _starts += 1
         if _starts >= max(_PROGRESS_EVERY, len(_pending)):  # amortised O(1) a start
@@ -178,6 +179,8 @@ class Work:
         if not self.wait_until(timeout):
             raise TimeoutError(f"rank {MPI.COMM_WORLD.Get_rank()}: {self._what} did not "
                                f"complete within {timeout:g} s")
+        if self._void is not None:
+            raise RuntimeError(self._void)
         return True
 
     def wait_or_abort(self, timeout: float) -> bool:
@@ -192,6 +195,8 @@ class Work:
                 f"rank {MPI.COMM_WORLD.Get_rank()}: {self._what} did not complete after "
                 f"{time.monotonic() - start:.1f} s (timeout {timeout:g} s); aborting the job. "
                 + likely_causes()))
+        if self._void is not None:
+            raise RuntimeError(self._void)
         return True
 
     def wait_until(self, timeout: float, poll: bool = True) -> bool:
@@ -237,7 +242,16 @@ class Work:
         """
         if not self.is_completed():
             raise RuntimeError(f"{self._what} has not completed yet; call wait() before result()")
+        if self._void is not None:
+            raise RuntimeError(self._void)
         return self._result
+
+    def void(self, why: str) -> None:
+        """Mark the operation's outcome meaningless: a failure's drain
+        (:mod:`~tensorplay_mpi.drain`) completes it with scratch contributions.  Its completion
+        callback is dropped; waiting for it or reading its result then raises
+        ``RuntimeError(why)``."""
+        self._void, self._finish = why, None
 
     def _complete(self) -> None:
         self._done = True
@@ -315,10 +329,16 @@ def sweep_tests() -> int:
     return _swept
 
 
+def pending_of(poller: Poller | None) -> list[Work]:
+    """The pending operations polled by `poller` (those of one guarded communicator), in start
+    order."""
+    return [w for w in list(_pending.values()) if w.poller is poller]
+
+
 def complete_pending(poller: Poller | None, timeout: float) -> None:
     """Wait for every pending operation polled by `poller` (the operations of one guarded
     communicator), in start order; abort the job if one does not complete within `timeout`."""
-    for work in [w for w in list(_pending.values()) if w.poller is poller]:
+    for work in pending_of(poller):
         work.wait_or_abort(timeout)
 
 

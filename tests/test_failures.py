@@ -169,7 +169,8 @@ def test_sys_exit_0_inside_a_join_on_one_rank_ends_the_job_at_once_and_says_why(
     assert result.returncode != 0 and elapsed < 8, (elapsed, result.stderr)
     assert results(result.stdout)[0].startswith(
         "PeerFailureError: rank 0: rank 1 failed with SystemExit: 0"), result.stdout
-    assert "unusable by a failure on rank(s) [1] (SystemExit)" in result.stderr, result.stderr
+    # rank 1's pending operations were completed (drained): rank 0's error ends the job
+    assert "rank 1 failed with SystemExit: 0" in result.stderr, result.stderr
     assert "never matched" not in result.stderr, result.stderr
 
 

@@ -173,6 +173,48 @@ def test_reduce_states_refuses_complex_states_on_every_rank(comm):
         reduce_states({"z": np.ones(2, complex)}, comm)
 
 
+# Layouts that differ on the last rank only.  Unchecked, each was a silent wrong sum: [2, 2, 2,
+# 1] on the rank with 4 values, a name summed with another, float bits summed as int64.
+_MISMATCHED = {
+    "shape": ({"a": np.ones(3)}, {"a": np.ones(4)}),
+    "same_count_other_split": ({"a": np.ones(2), "b": np.ones(1)},
+                               {"a": np.ones(1), "b": np.ones(2)}),
+    "name": ({"a": np.ones(3)}, {"b": np.ones(3)}),
+    "kind": ({"a": np.ones(3)}, {"a": np.ones(3, np.int64)}),
+    "reshaped": ({"a": np.ones((2, 3))}, {"a": np.ones((3, 2))}),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", sorted(_MISMATCHED))
+def test_reduce_states_refuses_states_that_differ_between_ranks_on_every_rank(comm, case):
+    same, other = _MISMATCHED[case]
+    states = other if comm.rank == comm.size - 1 else same
+    with raises_everywhere(ValueError, match="ranks passed different states"):
+        reduce_states(states, comm)
+    totals = reduce_states(same, comm)  # nothing left pending: the next reduction is exact
+    assert_all(all(np.array_equal(totals[k], comm.size * v) for k, v in same.items()),
+               f"{totals}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_reduce_states_refuses_different_states_inside_a_join_and_the_join_goes_on(comm):
+    """Every rank active: each raises the ValueError at the same point (the communicator stays
+    usable).  With a rank joined, the active ranks raise it and the joined ones a
+    PeerFailureError naming it (tests/programs/failures.py covers that path)."""
+    jc = JoinableComm(comm)
+    with raises_everywhere(ValueError, match="ranks passed different states"):
+        with Join([jc]):
+            jc.begin_iteration()
+            reduce_states({"a": np.ones(4 if comm.rank == comm.size - 1 else 3)}, jc)
+    with Join([jc]):
+        for _ in range(1 + comm.rank):  # uneven: the last iterations with ranks joined
+            jc.begin_iteration()
+            totals = reduce_states({"a": np.ones(3)}, jc)
+    # this rank's last iteration is its (rank + 1)-th: ranks rank..size-1 are active in it
+    assert_all(np.array_equal(totals["a"], np.full(3, comm.size - comm.rank)), f"{totals}")
+
+
 @pytest.mark.mpi
 def test_gather_all_tensors_refuses_what_mpi_cannot_carry_on_every_rank(comm):
     torch = pytest.importorskip("torch")

@@ -80,3 +80,15 @@ def test_data_that_cannot_be_re_split_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="of epoch 1 at 3 ranks, the checkpoint's cursors of "
                                          "epoch 2"):
         samplers(2)[0].resume(2, cursors, state)
+
+
+@pytest.mark.parametrize("bad", [{"num_samples": 10.5}, {"batch_size": 1.5},
+                                 {"batch_size": "2"}, {"rank": 0.0}, {"size": True},
+                                 {"seed": 1.5}])
+def test_arguments_that_are_not_ints_are_a_type_error(bad):
+    """Before: 10.5 samples gave batches of ids 0..9, a float batch size a bare range() error."""
+    args = {"num_samples": N, "rank": 0, "size": 2, "batch_size": BATCH} | bad
+    name = next(iter(bad))
+    with pytest.raises(TypeError, match=f"Sampler: {name} must be an int"):
+        Sampler(args.pop("num_samples"), args.pop("rank"), args.pop("size"), **args)
+    Sampler(np.int64(N), np.int32(0), np.int64(2), batch_size=np.int64(BATCH))  # NumPy ints

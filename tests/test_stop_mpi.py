@@ -139,9 +139,9 @@ def test_an_even_input_step_starts_exactly_the_collectives_it_did_before(comm, m
     started = []
     before = Guard.before_collective
 
-    def record(guard, kind, what, signature):
+    def record(guard, kind, what, signature, description=None):
         started.append((kind, what))
-        before(guard, kind, what, signature)
+        before(guard, kind, what, signature, description)
 
     params = [np.zeros(3), np.zeros(2)]
     dp = DataParallel(params, comm=comm, bucket_cap_mb=16 / 2**20)  # two buckets

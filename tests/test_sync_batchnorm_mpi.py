@@ -125,6 +125,16 @@ def test_a_global_batch_of_one_sample_raises_on_every_rank(comm):
         layer(x)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("affine", [True, False])
+def test_different_channel_counts_raise_on_every_rank(comm, affine):
+    """Unchecked, the statistics of 3 channels were summed with those of 4: wrong numbers."""
+    channels = 4 if comm.rank == comm.size - 1 else 3
+    layer = SyncBatchNorm(channels, affine=affine, process_group=comm).double()
+    with raises_everywhere(ValueError, match="different numbers of channels"):
+        layer(torch.ones(4, channels, dtype=torch.float64))
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("pattern", ["rank0_zero", "even"])
 def test_a_join_with_data_parallel_is_refused_on_every_rank_before_anything_starts(comm,

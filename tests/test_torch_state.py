@@ -102,3 +102,13 @@ def test_what_cannot_be_saved_without_pickle_is_refused_by_name():
         torch_state.state_arrays(Holder(), "h")
     with pytest.raises(KeyError, match="no torch state saved under 'x'.*'h'"):
         torch_state.load_state_arrays(Holder(), {"h/tree": np.array("{}")}, "x")
+
+
+@pytest.mark.parametrize("thing", [5, object(), torch.nn.Linear(2, 2).weight])
+def test_an_object_without_a_state_dict_is_a_type_error(thing):
+    """Before: AttributeError: 'int' object has no attribute 'state_dict'."""
+    with pytest.raises(TypeError, match=r"torch optimizer or learning-rate scheduler .*"
+                                        r"state_dict\(\)"):
+        torch_state.state_arrays(thing, "o")
+    with pytest.raises(TypeError, match=r"load_state_dict\(\)"):
+        torch_state.load_state_arrays(thing, {"o/tree": np.array("{}")}, "o")

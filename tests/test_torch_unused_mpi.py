@@ -192,6 +192,9 @@ def test_unused_refuses_torch_parameters_and_bad_indices(comm):
         dp.step(unused=[9])
     with raises_everywhere(ValueError, match="micro_batches must be an int >= 1"):
         dp.step(micro_batches=0)
+    for kind in (1.5, True, "2"):
+        with raises_everywhere(TypeError, match="micro_batches must be an int >= 1"):
+            dp.step(micro_batches=kind)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -373,8 +373,9 @@ class DataParallel(GuardedJoinable):
         would with plain MPI; use a Join.  Called without ``with`` it does nothing, and the
         next use of ``dp`` raises ``RuntimeError``.
         """
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral) \
-                or micro_batches < 1:
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, numbers.Integral):
+            raise TypeError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+        if micro_batches < 1:
             raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
         unused = self._check_unused(unused) if len(unused) else None
         return _MustEnter(self, self._run_step(int(micro_batches), unused), "step")

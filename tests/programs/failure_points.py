@@ -30,12 +30,12 @@ limit = None  # armed once the joinables are made
 before_collective = Guard.before_collective
 
 
-def failing_before(guard, kind, what, signature):
+def failing_before(guard, kind, what, signature, description=None):
     global limit
     if guard is Guard.of(comm) and kind not in ("send", "recv") and guard.started == limit:
         limit = None  # once
         raise KeyError(f"injected on rank {rank} before collective {point} ({what})")
-    before_collective(guard, kind, what, signature)
+    before_collective(guard, kind, what, signature, description)
 
 
 Guard.before_collective = failing_before
