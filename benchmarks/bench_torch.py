@@ -68,12 +68,13 @@ class Ours:
 
 
 class Ddp:
-    """torch: DistributedDataParallel over gloo, torch.optim.SGD, torch's Join([ddp])."""
+    """torch: DistributedDataParallel over gloo, a torch.optim optimizer (SGD unless told)
+    stepped in the loop, torch's Join([ddp])."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, optimizer: type = torch.optim.SGD) -> None:
         self.model = make_model(width)
         self.ddp = DistributedDataParallel(self.model)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
+        self.opt = optimizer(self.model.parameters(), lr=LR)
 
     def join(self) -> TorchJoin:
         return TorchJoin([self.ddp])

@@ -24,10 +24,8 @@ import os
 
 import numpy as np
 import torch
-from bench_torch import BATCH, init_gloo, interleaved, make_model, train
+from bench_torch import BATCH, Ddp, init_gloo, interleaved, make_model, train
 from mpi4py import MPI
-from torch.distributed.algorithms.join import Join as TorchJoin
-from torch.nn.parallel import DistributedDataParallel
 
 from tensorplay_mpi import DataParallel, Join
 
@@ -51,23 +49,6 @@ class Ours:
             torch.nn.functional.mse_loss(self.model(x), y).backward()
 
 
-class Ddp:
-    """DDP over gloo, torch.optim.AdamW stepped in the loop, torch's Join([ddp])."""
-
-    def __init__(self, width: int) -> None:
-        self.model = make_model(width)
-        self.ddp = DistributedDataParallel(self.model)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
-
-    def join(self) -> TorchJoin:
-        return TorchJoin([self.ddp])
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.opt.zero_grad()
-        torch.nn.functional.mse_loss(self.ddp(x), y).backward()
-        self.opt.step()
-
-
 def spread(comm: MPI.Intracomm, tensors: list[torch.Tensor]) -> float:
     """The largest difference of `tensors` across ranks (max over ranks minus min)."""
     flat = np.concatenate([t.detach().reshape(-1).double().numpy() for t in tensors]) \
@@ -85,6 +66,11 @@ def divergence(comm: MPI.Intracomm, trainer) -> dict[str, float]:
     return {"params": spread(comm, params), "optimizer_moments": spread(comm, moments),
             "optimizer_steps": spread(comm, steps),
             "steps_taken": int(trainer.opt.state[params[0]]["step"])}
+
+
+def ddp_adamw(width: int) -> Ddp:
+    """DDP over gloo, torch.optim.AdamW stepped in the loop, torch's Join([ddp])."""
+    return Ddp(width, torch.optim.AdamW)
 
 
 def main() -> None:
@@ -106,9 +92,9 @@ def main() -> None:
     y = torch.randn(BATCH, args.width, generator=generator)
     uneven = args.steps + comm.rank * args.extra
     timing = interleaved(comm, lambda: train(Ours(args.width), x, y, uneven, True),
-                         lambda: train(Ddp(args.width), x, y, uneven, True), args.repeats)
+                         lambda: train(ddp_adamw(args.width), x, y, uneven, True), args.repeats)
     sides = {}
-    for name, make in (("ours", Ours), ("ddp", Ddp)):
+    for name, make in (("ours", Ours), ("ddp", ddp_adamw)):
         trainer = make(args.width)
         train(trainer, x, y, uneven, True)
         sides[name] = divergence(comm, trainer)

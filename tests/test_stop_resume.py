@@ -36,7 +36,7 @@ def reference(nprocs):
 def test_a_stopped_demo_resumes_to_the_digest_of_a_run_never_stopped(tmp_path, nprocs, signal,
                                                                       ranks, batch, where):
     args = [*DEMO, "--checkpoint", str(tmp_path)]
-    stopped = run_mpi(nprocs, [STOP_DEMO, signal, ranks, str(batch), *args], timeout=120)
+    stopped = run_mpi(nprocs, [STOP_DEMO, "train", signal, ranks, str(batch), *args], timeout=120)
     assert stopped.returncode == STOPPED, f"{stopped.stdout}\n{stopped.stderr}"
     reason = signal if ranks in ("all", "0") else r"a stop requested by 1 other rank\(s\)"
     at = where.split(r" \(")[0]  # rank 0 prints why: its own signal, or another rank's

@@ -3,11 +3,10 @@ and run again: the parameters, the optimizer's and the scheduler's state come ba
 checkpoint, and the run ends with the digest of a run never stopped."""
 
 import functools
-import os
 import re
 
 import pytest
-from test_stop_resume import digest
+from test_stop_resume import STOP_DEMO, digest
 
 from tensorplay_mpi.examples.train import STOPPED
 from tensorplay_mpi.testing import run_mpi
@@ -15,7 +14,6 @@ from tensorplay_mpi.testing import run_mpi
 pytest.importorskip("torch")
 
 DEMO = ["--epochs", "2", "--hidden", "16", "--min-accuracy", "0"]
-STOP_DEMO = os.path.join(os.path.dirname(__file__), "programs", "stop_torch_demo.py")
 TORCH_DEMO = ["-m", "tensorplay_mpi.examples.train_torch"]
 
 
@@ -33,7 +31,8 @@ def reference(nprocs):
 def test_a_stopped_torch_demo_resumes_to_the_digest_of_a_run_never_stopped(
         tmp_path, nprocs, signal, ranks, batch, where):
     args = [*DEMO, "--checkpoint", str(tmp_path)]
-    stopped = run_mpi(nprocs, [STOP_DEMO, signal, ranks, str(batch), *args], timeout=120)
+    stopped = run_mpi(nprocs, [STOP_DEMO, "train_torch", signal, ranks, str(batch), *args],
+                      timeout=120)
     assert stopped.returncode == STOPPED, f"{stopped.stdout}\n{stopped.stderr}"
     at = where.split(r" \(")[0]
     assert re.search(rf"stopped by .* at {at};", stopped.stdout), stopped.stdout

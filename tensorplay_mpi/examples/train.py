@@ -195,6 +195,15 @@ def once(comm: MPI.Intracomm, epoch: int, seen: np.ndarray) -> bool:
     return ok
 
 
+def stopped(comm: MPI.Intracomm, reason: str | None, epoch: int, step: int,
+            saved: checkpoint.Saved) -> None:
+    """The line (rank 0) of a stopped run: why, where, and the checkpoint written."""
+    if comm.rank == 0:
+        print(f"stopped by {reason} at epoch {epoch}, step {step}; checkpoint {saved.path} "
+              f"written ({saved.nbytes / 1024:.0f} KiB in {saved.seconds * 1e3:.1f} ms); run "
+              f"the same command to resume", flush=True)
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The demo's flags (``examples.train_torch`` takes the same, but ``--checkpoint``)."""
     parser = argparse.ArgumentParser(description="Data-parallel MLP on uneven shards.")
@@ -303,11 +312,7 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
             saved = checkpoint.save(args.checkpoint, params, step=step, epoch=epoch,
                                     cursor=sampler.cursor, comm=comm, config=config,
                                     extra={"sampler": sampler.state(), **summed})
-            if comm.rank == 0:
-                print(f"stopped by {join.stop_reason} at epoch {epoch}, step {step}; checkpoint "
-                      f"{saved.path} written ({saved.nbytes / 1024:.0f} KiB in "
-                      f"{saved.seconds * 1e3:.1f} ms); run the same command to resume",
-                      flush=True)
+            stopped(comm, join.stop_reason, epoch, step, saved)
             return STOPPED
         if resumed is not None and epoch == first and not once(comm, epoch, summed["seen"]):
             return 1

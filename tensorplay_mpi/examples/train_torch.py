@@ -36,7 +36,7 @@ from tensorplay_mpi.data import batches, shard, shard_sizes
 from tensorplay_mpi.examples.evaluation import validate
 
 from .train import MISSING_SKLEARN, STOPPED, epoch_done, header, init_mlp, load_digits_split, \
-    make_parser, report
+    make_parser, report, stopped
 
 MISSING_TORCH = ("the torch demo needs PyTorch: pip install 'tensorplay-mpi[torch,examples]', "
                  "or from a clone pip install -e '.[torch,examples]'")
@@ -154,11 +154,7 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         if join.stopped:
             step = (epoch - 1) * per_epoch + comm.allreduce(done, op=MPI.MAX)
             saved = save(step, epoch, done, totals)
-            if comm.rank == 0:
-                print(f"stopped by {join.stop_reason} at epoch {epoch}, step {step}; checkpoint "
-                      f"{saved.path} written ({saved.nbytes / 1024:.0f} KiB in "
-                      f"{saved.seconds * 1e3:.1f} ms); run the same command to resume",
-                      flush=True)
+            stopped(comm, join.stop_reason, epoch, step, saved)
             return STOPPED
         with torch.no_grad():
             validation = validate(comm, lambda x: model(torch.from_numpy(x)), x_test, y_test,
