@@ -92,7 +92,7 @@ class ReplayLog:
         return rows
 
 
-class _Guard(Poller, Protocol):
+class _GuardView(Poller, Protocol):
     """What a drain reads of :class:`~tensorplay_mpi.guard.Guard`."""
 
     notices: MPI.Intracomm
@@ -120,7 +120,7 @@ def _within(work: Work, deadline: float) -> bool:
     return work.wait_until(max(0.0, deadline - time.monotonic()), poll=False)
 
 
-def drain(guard: _Guard, comm: MPI.Intracomm, deadline: float) -> bool:
+def drain(guard: _GuardView, comm: MPI.Intracomm, deadline: float) -> bool:
     """Make every rank start the collectives the furthest one started, then complete every
     operation pending on `comm`; True if nothing is left pending by `deadline`.
 
