@@ -87,6 +87,9 @@ def resize_trial(before, after, directory, training, rng, report):
     status, out = finish(job)
     if status != STOPPED:
         report["finished" if status == 0 else "WRONG"] += 1
+        if status != 0:
+            print(f"  WRONG resize {before}->{after}: the stopped run exited {status}:\n{out}",
+                  flush=True)
         return
     rerun, again = finish(launch(after, args))
     mid_epoch = "re-split" in again and "training was complete" not in again
