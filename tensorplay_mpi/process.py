@@ -15,7 +15,10 @@ layer imports this module.  It
 Its teardown is one exit hook, registered when this module is imported (after mpi4py's own, so
 that it runs before ``MPI_Finalize``): the operations still pending in the registry of
 :mod:`tensorplay_mpi.work` are completed, or the job is aborted if they never can be; then
-the persistent requests still kept are freed (:func:`tensorplay_mpi.persistent.free_all`).
+the persistent requests still kept are freed (:func:`tensorplay_mpi.persistent.free_all`),
+and the stop signals of :func:`~tensorplay_mpi.stopping.keep_stop_signals` are ignored from
+then on (a signal during ``MPI_Finalize`` would otherwise end a finished job with its default
+action).
 
 An uncaught exception on one rank of a multi-rank job, outside any library call, leaves the
 other ranks waiting in their next collective until their deadline.  ``python -m mpi4py``, the
@@ -46,6 +49,7 @@ from mpi4py import MPI
 
 from .persistent import free_all
 from .settings import settings
+from .stopping import ignore_kept_signals
 from .threads import limit_threads
 from .work import complete_all_at_exit, outstanding_requests
 
@@ -220,10 +224,12 @@ def reset_state() -> None:
 
 
 def _at_exit() -> None:
-    """The exit hook: complete the pending operations (or abort), then free the persistent
-    requests still kept."""
+    """The exit hook: complete the pending operations (or abort), free the persistent
+    requests still kept, and ignore the stop signals that keep_stop_signals() kept (Python
+    gives them their default action back before mpi4py finalizes MPI)."""
     complete_all_at_exit()
     free_all()
+    ignore_kept_signals()
 
 
 atexit.register(_at_exit)  # after mpi4py's own: runs before MPI_Finalize

@@ -15,7 +15,8 @@ from types import FrameType
 from typing import Iterable, Iterator
 
 __all__ = ["stop_on_signals", "keep_stop_signals", "request_stop", "stop_requested", "clear_stop",
-           "STOP_SIGNALS", "request_save", "save_requested", "clear_save"]
+           "STOP_SIGNALS", "request_save", "save_requested", "clear_save",
+           "ignore_kept_signals"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """What Slurm sends at the time limit (SIGTERM), what ``--signal`` and ``scancel --signal``
@@ -108,9 +109,22 @@ def keep_stop_signals(signals: Iterable[int] = STOP_SIGNALS) -> None:
     the final save or the report only sets a request instead of killing the job.  A
     :func:`stop_on_signals` block inside restores this handler when it exits.  Takes and raises
     what :func:`stop_on_signals` does.
+
+    At exit (the process's exit hook, before ``MPI_Finalize``) these signals are ignored
+    instead (:func:`ignore_kept_signals`): Python restores the default action of its handlers
+    before mpi4py finalizes MPI, so a stop signal during ``MPI_Finalize`` would otherwise kill
+    a job that has finished its work.
     """
     for signum in _signals(signals, "keep_stop_signals"):
         signal.signal(signum, _on_signal)
+
+
+def ignore_kept_signals() -> None:
+    """Ignore, from now on, every signal whose handler is still a stop request's: called at
+    exit, when there is nothing left to stop (see :func:`keep_stop_signals`)."""
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is _on_signal:
+            signal.signal(signum, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

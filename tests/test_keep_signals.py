@@ -36,3 +36,24 @@ def test_a_signal_after_the_block_only_sets_a_request_under_keep_stop_signals(na
 def test_keep_stop_signals_checks_its_signals():
     with pytest.raises(TypeError, match=r"keep_stop_signals takes signal numbers .* str 'TERM'"):
         keep_stop_signals(["TERM"])
+
+
+AT_EXIT = """
+import atexit, signal
+def after_the_library_s_hook():  # registered first: runs after the library's exit hook
+    print("at exit", {names}, flush=True)
+atexit.register(after_the_library_s_hook)
+from tensorplay_mpi import keep_stop_signals
+keep_stop_signals()
+"""
+
+
+def test_kept_signals_are_ignored_at_exit_so_a_signal_during_mpi_finalize_cannot_kill_a_job():
+    """Python gives its handlers their default action back before mpi4py finalizes MPI: the
+    library's exit hook ignores the kept signals first (SIGINT's default stays Python's)."""
+    names = "[signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGTERM, signal.SIGUSR1, " \
+            "signal.SIGINT)]"
+    result = subprocess.run([sys.executable, "-c", AT_EXIT.format(names=names)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "at exit [True, True, True]" in result.stdout, result.stdout
