@@ -172,21 +172,32 @@ def init_gloo(comm: MPI.Intracomm) -> None:
                             world_size=comm.size)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--widths", default="500,2500",
-                        help="layer widths (500: 1M parameters, 2500: 25M)")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--extra", type=int, default=2,
+def torch_parser(description: str, steps: int, extra: int) -> argparse.ArgumentParser:
+    """The flags the torch benchmarks share: --steps, --extra, --repeats, --out."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--extra", type=int, default=extra,
                         help="uneven inputs: rank r runs steps + r * extra batches")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    comm = MPI.COMM_WORLD
+    return parser
+
+
+def start(comm: MPI.Intracomm) -> None:
+    """At least 2 ranks, one torch thread a rank, gloo set up over `comm`."""
     if comm.size < 2:
         raise SystemExit("run under mpiexec with at least 2 ranks")
     torch.set_num_threads(1)
     init_gloo(comm)
+
+
+def main() -> None:
+    parser = torch_parser(__doc__.split("\n")[0], steps=4, extra=2)
+    parser.add_argument("--widths", default="500,2500",
+                        help="layer widths (500: 1M parameters, 2500: 25M)")
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    start(comm)
     report = {
         "ranks": comm.size,
         "cores": os.cpu_count(),

@@ -18,13 +18,12 @@ parameters, of AdamW's moments (``exp_avg``, ``exp_avg_sq``) and of its step cou
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import numpy as np
 import torch
-from bench_torch import BATCH, Ddp, init_gloo, interleaved, make_model, train
+from bench_torch import BATCH, Ddp, interleaved, make_model, start, torch_parser, train
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join
@@ -74,19 +73,11 @@ def ddp_adamw(width: int) -> Ddp:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = torch_parser(__doc__.split("\n")[0], steps=6, extra=3)
     parser.add_argument("--width", type=int, default=500, help="500: 1M parameters")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--extra", type=int, default=3,
-                        help="uneven inputs: rank r runs steps + r * extra batches")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
-    if comm.size < 2:
-        raise SystemExit("run under mpiexec with at least 2 ranks")
-    torch.set_num_threads(1)
-    init_gloo(comm)
+    start(comm)
     generator = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(BATCH, args.width, generator=generator)
     y = torch.randn(BATCH, args.width, generator=generator)
