@@ -24,7 +24,7 @@ from mpi4py import MPI
 from ..algorithms.join import Join, Joinable, JoinHook
 from ..buffers import device_of, zeros_like
 from ..comm import check_comm
-from ..gradient_link import GradientViews, check_places, comm_of, used_of
+from ..gradient_link import GradientViews, PlaceCheck, comm_of, used_of
 from ..tensors import as_arrays
 from . import rules
 from ..process import set_up
@@ -87,6 +87,7 @@ class Optimizer(Joinable, OptimizerState):
                  comm: MPI.Intracomm | None = None, **defaults: Any) -> None:
         super().__init__()
         self._link = GradientViews.of(grads)  # dp.grads carries its DataParallel, else None
+        self._place_check = PlaceCheck()
         self.comm = check_comm(comm_of(self._link) if comm is None else comm)
         self.params = as_arrays(params, "params")  # torch tensors: NumPy views
         self.grads = as_arrays(grads, "grads")
@@ -232,7 +233,7 @@ class Optimizer(Joinable, OptimizerState):
 
     def end_iteration(self) -> None:
         """Check, on every rank, that the joinable writing the grads comes first."""
-        check_places(self.join_context, self, self._link, must_join=False)
+        self._place_check(self.join_context, self, self._link, must_join=False)
 
 
 class _OptimizerHook(JoinHook):

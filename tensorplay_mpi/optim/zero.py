@@ -22,7 +22,7 @@ from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join, JoinHook
 from ..buffers import check_disjoint, device_of, zeros_like
 from ..comm import Work, ibcast, irecv, isend
-from ..gradient_link import GradientViews, check_places, comm_of, used_of
+from ..gradient_link import GradientViews, PlaceCheck, comm_of, used_of
 from ..tensors import as_arrays
 from .clip import clip_grad_norm
 from .local import Adam, Optimizer
@@ -119,6 +119,7 @@ class ZeroRedundancyOptimizer(GuardedJoinable, OptimizerState):
         self._packs, self._direct = self._sync_plan()
         self._consolidated: dict[str, Any] | None = None
         self._link = link
+        self._place_check = PlaceCheck()
         self._shard_index = np.asarray(self.shard, dtype=np.intp)
         if link is not None:  # DataParallel's Joins must list this optimizer, which steps
             link.step_with(self, must_join=True)  # in place of its shard optimizer
@@ -295,7 +296,7 @@ class ZeroRedundancyOptimizer(GuardedJoinable, OptimizerState):
         """With ``dp.grads``: check, on every rank, that their DataParallel comes first (alone
         in a Join, with gradients of its own, it needs nothing before it)."""
         if self._link is not None:
-            check_places(self.join_context, self, self._link, must_join=False)
+            self._place_check(self.join_context, self, self._link, must_join=False)
 
 
 class _ZeroHook(JoinHook):

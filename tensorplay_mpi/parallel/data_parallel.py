@@ -38,7 +38,7 @@ from ..algorithms.join import Join, JoinHook
 from ..buffers import check_disjoint, device_of, is_device_array
 from ..comm import Work, iallreduce, ibcast
 from ..tensors import as_array, as_arrays, is_tensor, like
-from ..gradient_link import GradientViews, check_places, in_join
+from ..gradient_link import GradientViews, PlaceCheck, in_join
 from .buckets import make_buckets
 from .torch_grads import TorchGradients, check_unbound, frozen_mask
 
@@ -290,6 +290,7 @@ class DataParallel(GuardedJoinable):
         self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20,
                                                              frozen)
         self.grads = GradientViews([like(p, v) for p, v in zip(given, views)], self)
+        self._place_check = PlaceCheck()
         self._broadcast(self.params + self.buffers, broadcast_from, "initial broadcast")
         self._overlap = overlap
         self._torch = TorchGradients(given, self.grads, DataParallel._accumulated, self)
@@ -669,8 +670,8 @@ class DataParallel(GuardedJoinable):
         no ``dp.step()`` may have been called without ``with``."""
         self._check_entered()
         if self._update is None:  # with update=, the optimizer steps there, not in the Join
-            check_places(self.join_context, self.grads.stateful_optimizer, self.grads,
-                         must_join=True)
+            self._place_check(self.join_context, self.grads.stateful_optimizer, self.grads,
+                              must_join=True)
 
     def replicated_arrays(self) -> list[Any]:
         """The parameters and buffers: the same on every rank."""
