@@ -15,9 +15,9 @@ RUN_TIMEOUT  ?= 900
 PYTEST_MPI   := -m pytest --with-mpi -m mpi -q --color=no --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 MPI_TESTS    ?= tests
 # The core MPI tests (Join, DataParallel, JoinableComm, ZeRO; tiny workloads), for test-8.
-CORE_TESTS   := tests/test_join_mpi.py tests/test_data_parallel_mpi.py \
-                tests/test_data_parallel_misuse_mpi.py tests/test_joinable_comm_mpi.py \
-                tests/test_zero_mpi.py
+CORE_TESTS   := tests/join/test_join_mpi.py tests/parallel/test_data_parallel_mpi.py \
+                tests/parallel/test_data_parallel_misuse_mpi.py \
+                tests/comm/test_joinable_comm_mpi.py tests/optim/test_zero_mpi.py
 
 .PHONY: help venv test test-serial test-mpi test-unfused test-nopersistent test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
         lint bench bench-fresh bench-threads bench-torch gpu-check clean
@@ -58,17 +58,18 @@ test-mpi: venv  ## the MPI tests at each rank count in RANKS (files: MPI_TESTS)
 	done
 
 # The optimizer tests once more on the NumPy rules, the fused kernels off (docs/optimizers.md).
-OPTIM_TESTS := tests/test_optim_mpi.py tests/test_zero_mpi.py
+OPTIM_TESTS := tests/optim/test_optim_mpi.py tests/optim/test_zero_mpi.py
 test-unfused: venv  ## the optimizer tests again on the NumPy rules (fused kernels off)
 	TENSORPLAY_MPI_FUSED=0 $(PY) -m pytest -m "not mpi" -q --timeout=$(RUN_TIMEOUT) \
-	  --timeout-method=thread tests/test_optim.py
+	  --timeout-method=thread tests/optim/test_optim.py
 	TENSORPLAY_MPI_FUSED=0 $(MAKE) --no-print-directory test-mpi RANKS="1 2 3" \
 	  MPI_TESTS="$(OPTIM_TESTS)"
 
 # The JoinableComm and Join tests once more without MPI-4 persistent collectives, as with Open
 # MPI 4 or Debian's mpi4py 3.1 (tensorplay_mpi.persistent): the fallback is the nonblocking path.
-PERSISTENT_TESTS := tests/test_joinable_comm_mpi.py tests/test_joinable_comm_misuse_mpi.py \
-                    tests/test_persistent_mpi.py tests/test_join_mpi.py
+PERSISTENT_TESTS := tests/comm/test_joinable_comm_mpi.py \
+                    tests/comm/test_joinable_comm_misuse_mpi.py tests/comm/test_persistent_mpi.py \
+                    tests/join/test_join_mpi.py
 test-nopersistent: venv  ## the JoinableComm tests again without persistent collectives
 	TENSORPLAY_MPI_PERSISTENT=0 $(MAKE) --no-print-directory test-mpi RANKS="1 2 3" \
 	  MPI_TESTS="$(PERSISTENT_TESTS)"
@@ -116,7 +117,7 @@ stop-trials: venv  ## random-signal stop and resume trials of the demo (make tes
 	MPIEXEC="$(MPIEXEC)" timeout -k 10 900 $(PY) tests/programs/kill_trials.py \
 	  --ranks $(RANKS) --trials $(KILL_TRIALS) --dir "$$dir/kill"
 
-# The documentation site, warnings as errors (its examples run in tests/test_docs.py).
+# The documentation site, warnings as errors (its examples run in tests/project/test_docs.py).
 docs: venv  ## the documentation site in docs/_build/html, warnings as errors
 	$(PY) -m pip install -q -e '.[$(EXTRAS),docs]'
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html

@@ -10,6 +10,11 @@
    (aborts, signals, killed ranks, exit codes); each rank prints ``RESULT rank=R ...`` lines
    that ``helpers.results`` reads.
 
+The files are grouped by the module they test, a folder each (``join/``, ``comm/``,
+``buffers/``, ``parallel/``, ``optim/``, ``checkpoint/``, ``data/``, ``stopping/``,
+``evaluation/``, ``process/``, ``project/``; docs/testing.md lists them); the helpers beside this
+file (``helpers``, ``toys``, ...) import from any of them (``pythonpath`` in pyproject.toml).
+
 The tensorplay_mpi.testing plugin (``-p`` in pyproject.toml) gives the ``comm`` fixture, a fresh
 duplicate of ``COMM_WORLD`` per test that must end with no pending request, and debug mode
 (collective signature checks) on unless TENSORPLAY_MPI_DEBUG is set."""

@@ -4,8 +4,15 @@ measurements.  The public test helpers (``assert_all``, ``run_mpi``, ...) are im
 
 import os
 import re
+from pathlib import Path
 
-__all__ = ["results", "UNEVEN", "gathered_equal", "rss_bytes", "buckets_of"]
+__all__ = ["ROOT", "PROGRAMS", "results", "UNEVEN", "gathered_equal", "rss_bytes", "buckets_of"]
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository's root."""
+
+PROGRAMS = ROOT / "tests" / "programs"
+"""The programs that serial tests launch under mpiexec (the third tier of conftest.py)."""
 
 
 _LABELS = ("RESULT", "WENT ON", "FOLLOWUP")

@@ -1,4 +1,5 @@
-"""The checkpoints of tests/data/checkpoints-v1, and what one more step gives after each.
+"""The checkpoints of tests/checkpoint/fixtures/checkpoints-v1, and what one more step gives
+after each.
 
 Run with the version whose files the fixtures keep (the manifest format 1, before the
 optimizer protocol), at 2 ranks::
@@ -7,8 +8,8 @@ optimizer protocol), at 2 ranks::
 
 For each kind (a local Adam; ZeRO over SGD with momentum, saved sharded and consolidated) it
 steps three times, saves ``DIR/KIND``, steps once more and writes the parameters then to
-``DIR/KIND-after.npz``.  ``tests/test_checkpoint_compat_mpi.py`` loads each with the current
-version, steps once and compares bitwise.
+``DIR/KIND-after.npz``.  ``tests/checkpoint/test_checkpoint_compat_mpi.py`` loads each with the
+current version, steps once and compares bitwise.
 """
 
 import sys

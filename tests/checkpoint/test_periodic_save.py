@@ -3,15 +3,15 @@ the previous checkpoint whole (the in-process cases are in test_periodic_save_mp
 
 import os
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import PROGRAMS
 
 from tensorplay_mpi import checkpoint
 from tensorplay_mpi.testing import run_mpi
 
-MISUSE = str(Path(__file__).parent / "programs" / "misuse.py")
+MISUSE = str(PROGRAMS / "misuse.py")
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])

@@ -7,15 +7,15 @@ ValueError and every other rank a PeerFailureError naming it, never a hang.
 
 import re
 import time
-from pathlib import Path
 
 import pytest
+from helpers import PROGRAMS
 
 from tensorplay_mpi.testing import run_mpi
 
 pytest.importorskip("torch")
 
-PROGRAM = str(Path(__file__).parent / "programs" / "update_failure.py")
+PROGRAM = str(PROGRAMS / "update_failure.py")
 
 
 @pytest.mark.parametrize("where", ["active", "joined"])

@@ -1,5 +1,5 @@
-"""Checkpoints written before the optimizer protocol (tests/data/checkpoints-v1, made at 2
-ranks by tests/programs/checkpoint_fixtures.py) load at any world size, and one more step
+"""Checkpoints written before the optimizer protocol (fixtures/checkpoints-v1 beside this file,
+made at 2 ranks by tests/programs/checkpoint_fixtures.py) load at any world size, and one more step
 gives bitwise what the version that wrote them gave."""
 
 import importlib.util
@@ -7,13 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import PROGRAMS
 
 from tensorplay_mpi import checkpoint
 from tensorplay_mpi.testing import assert_all
 
-DATA = Path(__file__).parent / "data" / "checkpoints-v1"
+DATA = Path(__file__).parent / "fixtures" / "checkpoints-v1"
 _spec = importlib.util.spec_from_file_location(
-    "checkpoint_fixtures", Path(__file__).parent / "programs" / "checkpoint_fixtures.py")
+    "checkpoint_fixtures", PROGRAMS / "checkpoint_fixtures.py")
 fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fixtures)
 

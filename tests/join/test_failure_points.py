@@ -8,14 +8,13 @@ point; otherwise it refuses, on every rank, because the communicator is unusable
 """
 
 import re
-from pathlib import Path
 
 import pytest
-from helpers import results
+from helpers import PROGRAMS, results
 
 from tensorplay_mpi.testing import run_mpi
 
-PROGRAM = str(Path(__file__).parent / "programs" / "failure_points.py")
+PROGRAM = str(PROGRAMS / "failure_points.py")
 _OWN = re.compile(r"KeyError: 'injected on rank \d+ before collective (\d+) ")
 
 

@@ -1,14 +1,11 @@
 """DataParallel failure paths under mpiexec, run as programs with a hard outer timeout."""
 
 import time
-from pathlib import Path
 
 import pytest
-from helpers import results
+from helpers import PROGRAMS, results
 
 from tensorplay_mpi.testing import run_mpi
-
-PROGRAMS = Path(__file__).parent / "programs"
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])

@@ -8,10 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from tensorplay_mpi.process import STATE
 
-ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "tensorplay_mpi"
 INDEX = ROOT / "docs" / "api" / "index.md"
 

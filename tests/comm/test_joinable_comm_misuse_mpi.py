@@ -1,18 +1,17 @@
 """JoinableComm misused: the same clear error on every rank, whether or not a rank has joined."""
 
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import results, rss_bytes
+from helpers import PROGRAMS, results, rss_bytes
 from mpi4py import MPI
 
 from tensorplay_mpi import Join, JoinableComm
 from tensorplay_mpi.joinable_comm import _digest
 from tensorplay_mpi.testing import assert_all, raises_everywhere, run_mpi
 
-PROGRAM = str(Path(__file__).parent / "programs" / "jc_misuse.py")
+PROGRAM = str(PROGRAMS / "jc_misuse.py")
 MODES = ["every rank active", "rank 0 joined"]
 
 

@@ -6,13 +6,12 @@ The README is a front door whose links lead to the pages, which never include it
 """
 
 import re
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from tensorplay_mpi.testing import run_mpi
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 PAGES = sorted(DOCS.rglob("*.md"))

@@ -7,11 +7,10 @@ import subprocess
 import sys
 import zipfile
 from importlib import import_module
-from pathlib import Path
+
+from helpers import ROOT
 
 import tensorplay_mpi
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_wheel_ships_py_typed_the_licence_and_its_dependencies(tmp_path):

@@ -1,11 +1,11 @@
 """The Slurm templates hold what a site needs after one edit (`make slurm-test` runs them)."""
 
 import re
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-SLURM = Path(__file__).resolve().parent.parent / "slurm"
+SLURM = ROOT / "slurm"
 TEMPLATES = sorted(SLURM.glob("*.sbatch"))
 
 

@@ -10,14 +10,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from helpers import results
+from helpers import PROGRAMS, results
 
 from tensorplay_mpi.testing import mpiexec_path, run_mpi
 
-PROGRAM = str(Path(__file__).parent / "programs" / "failures.py")
+PROGRAM = str(PROGRAMS / "failures.py")
 RANKS = [2, 3, 4]
 
 
@@ -100,7 +99,7 @@ def test_several_tasks_of_one_rank_each_is_a_launch_error(variable):
     assert "srun --mpi=pmi2" in result.stderr and "srun --mpi=pmix" in result.stderr
 
 
-MISUSE = str(Path(__file__).parent / "programs" / "misuse.py")
+MISUSE = str(PROGRAMS / "misuse.py")
 
 
 @pytest.mark.parametrize("mode, message", [
@@ -200,7 +199,7 @@ def test_an_operation_pending_when_the_communicator_breaks_fails_at_once():
 
 
 def test_a_work_waited_for_in_another_thread_is_never_tested_by_two_threads_at_once():
-    result = run_mpi(2, [str(Path(__file__).parent / "programs" / "threads.py")], timeout=90)
+    result = run_mpi(2, [str(PROGRAMS / "threads.py")], timeout=90)
     assert results(result.stdout) == {0: "ok", 1: "ok"}, (result.stdout, result.stderr)
 
 

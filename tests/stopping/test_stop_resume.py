@@ -1,16 +1,16 @@
 """The demo stopped by a real signal and run again: the digest of a run never stopped."""
 
 import functools
-import os
 import re
 
 import pytest
+from helpers import PROGRAMS
 
 from tensorplay_mpi.examples.train import STOPPED
 from tensorplay_mpi.testing import run_mpi
 
 DEMO = ["--epochs", "2", "--hidden", "16", "--min-accuracy", "0"]
-STOP_DEMO = os.path.join(os.path.dirname(__file__), "programs", "stop_demo.py")
+STOP_DEMO = str(PROGRAMS / "stop_demo.py")
 
 
 def digest(result):
