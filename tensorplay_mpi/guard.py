@@ -26,6 +26,9 @@ it while waiting.  It owns two private duplicates:
     With ``TENSORPLAY_MPI_DEBUG=1``, before every library collective the ranks allgather its
     signature (kind, count, dtype, op, root) and raise
     :class:`~tensorplay_mpi.errors.CollectiveMismatchError` on every rank if they differ.
+    When a guard is made, the ranks first compare there the settings that decide which
+    collectives a rank starts (:data:`SHAPING_SETTINGS`): set on some ranks only, they would
+    hang the first collective, so they raise ``ValueError`` on every rank instead.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from .settings import settings
 from .stall import ANSWER_TAG, QUERY_TAG, StallReport, answer
 from .work import Work
 
-__all__ = ["Guard", "Verdict", "NOTICE_GRACE_S"]
+__all__ = ["Guard", "Verdict", "NOTICE_GRACE_S", "SHAPING_SETTINGS"]
 
 NOTICE_GRACE_S = 0.25
 """Seconds a wait goes on after a failure notice before it raises PeerFailureError."""
@@ -53,6 +56,11 @@ _NOTICE_TAG = 0x7E11
 _SIGNATURE_BYTES = 96  # per part: the signature compared, and what it is for (shown)
 _COLLECTIVES = ("allreduce", "bcast", "allgather")
 _KEYVAL = MPI.Comm.Create_keyval(delete_fn=lambda comm, keyval, guard: guard.free())
+
+SHAPING_SETTINGS = ("debug", "persistent")
+"""The settings that decide which collectives a rank starts (debug mode's signature checks are
+collectives of their own; persistent collectives match only persistent ones): every rank of a
+communicator must have the same values, which :meth:`Guard.attach` checks."""
 
 
 class Verdict(NamedTuple):
@@ -89,6 +97,27 @@ class Guard:
         self.started = 0  # collectives started on the guarded communicator (and their checks)
         self._stall: StallReport | None = None  # a stall report waiting for answers
         self._sent: list[np.ndarray] = []  # payloads of stall messages, kept while MPI may read
+        try:
+            self._check_shaping_settings()
+        except BaseException:
+            self.free()
+            raise
+
+    def _check_shaping_settings(self) -> None:
+        """Raise ``ValueError`` on every rank unless :data:`SHAPING_SETTINGS` agree (on
+        ``checks``: the guarded communicator counts no collective for it)."""
+        mine = " ".join(f"TENSORPLAY_MPI_{name.upper()}={getattr(settings(), name)!s}"
+                        for name in SHAPING_SETTINGS).replace("=True", "=1").replace("=False", "=0")
+        what = "the settings check of a new communicator"
+        texts = agree(lambda row, every: Work(self.checks.Iallgather(row, every), what,
+                                              (row, every), None, self),
+                      self.rank, self.size, what, settings().timeout, text=mine).texts
+        if any(text != texts[0] for text in texts):
+            by_rank = "\n".join(f"  rank {r}: {text}" for r, text in enumerate(texts))
+            raise ValueError(
+                f"rank {self.rank}: these settings decide which collectives a rank starts and "
+                f"differ across ranks; set them the same on every rank (in the job's "
+                f"environment, before mpiexec or srun):\n{by_rank}")
 
     @staticmethod
     def of(comm: MPI.Comm) -> "Guard | None":
@@ -101,6 +130,11 @@ class Guard:
         """The guard of `comm`, made on first use.
 
         Collective over `comm` the first time: every rank must call it.
+
+        Raises
+        ------
+        ValueError
+            The first time, on every rank, if :data:`SHAPING_SETTINGS` differ across ranks.
         """
         guard = cls.of(comm)
         if guard is None:

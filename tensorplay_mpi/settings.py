@@ -23,6 +23,11 @@ Booleans accept ``1/true/yes/on`` and ``0/false/no/off`` (any case).  A value th
 the accepted ones raises ``ValueError`` naming the variable, at the first library call that
 needs the settings, before that call starts anything.  Any other ``TENSORPLAY_MPI_*`` variable
 (a misspelling such as ``TENSORPLAY_MPI_TIMOUT``) gets one ``RuntimeWarning`` from rank 0.
+
+``TENSORPLAY_MPI_DEBUG`` and ``TENSORPLAY_MPI_PERSISTENT`` decide which collectives a rank
+starts, so they must be the same on every rank: the first library use of a communicator
+compares them and raises ``ValueError`` on every rank, listing each rank's values, when they
+differ (set them in the job's environment, not per rank).  The others may differ.
 """
 
 from __future__ import annotations
