@@ -159,9 +159,10 @@ class PersistentCollectives:
 
     def _check(self, kind: str, what: str, signature: Callable[[], str]) -> None:
         """What every library collective asks its guard first, before anything is set up: a
-        broken communicator refuses; the count of operations; debug mode's signature check."""
+        broken communicator refuses; the count of operations; debug mode's signature check
+        (marked persistent: it matches no nonblocking collective of another rank)."""
         if self._guard is not None:
-            self._guard.before_collective(kind, what, signature)
+            self._guard.before_collective(kind, what, lambda: f"persistent {signature()}")
 
     def _run(self, request: MPI.Prequest, what: str, keep: tuple) -> None:
         """Start `request` and wait for it as every library collective (deadline, failure

@@ -6,6 +6,8 @@ import pytest
 from mpi4py import MPI
 
 from tensorplay_mpi import Join, JoinableComm, persistent
+from tensorplay_mpi.errors import CollectiveMismatchError
+from tensorplay_mpi.settings import settings
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere, reset_settings
 
 
@@ -64,3 +66,20 @@ def test_persistent_one_where_unsupported_is_refused_everywhere(comm, monkeypatc
             JoinableComm(comm)
     finally:
         reset_settings()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_persistent_collective_against_a_nonblocking_one_is_a_mismatch_in_debug_mode(comm):
+    """Rank 0 waits on ``iallreduce`` where the others call ``allreduce`` (persistent): they
+    would never match; debug mode (the plugin's) names it on every rank instead of hanging."""
+    if not persistent.enabled():
+        pytest.skip("no persistent collectives here (TENSORPLAY_MPI_PERSISTENT=0 or MPI < 4)")
+    if not settings().debug:
+        pytest.skip("TENSORPLAY_MPI_DEBUG=0 in the environment: without the check it hangs")
+    jc = JoinableComm(comm)
+    x = np.ones(4)
+    with raises_everywhere(CollectiveMismatchError, match="persistent allreduce"):
+        if comm.rank == 0:
+            jc.iallreduce(x).wait()
+        else:
+            jc.allreduce(x)
