@@ -16,7 +16,8 @@ short text.  Then
 The caller starts the gather, on the path its communicator needs (the library's collectives on
 a guarded communicator, a guard's private one, the test verdicts' one), and gives the deadline.
 The argument checks of the library's joinables, the checkpoint's agreements, the debug mode's
-signature checks and the test verdicts of :mod:`tensorplay_mpi.testing` all decide here.
+signature checks and the test verdicts of :mod:`tensorplay_mpi.testing` all decide here, and
+:func:`agree_on_setting` the settings that must be the same on every rank.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
+from mpi4py import MPI
 
 from .work import Work
 
-__all__ = ["KINDS", "kind_code", "Agreement", "agree", "TEXT_BYTES"]
+__all__ = ["KINDS", "kind_code", "Agreement", "agree", "agree_on_setting", "TEXT_BYTES"]
 
 KINDS: tuple[type[Exception], ...] = (RuntimeError, TypeError, ValueError, OSError,
                                       AssertionError)
@@ -126,3 +128,25 @@ def agree(start: Callable[[np.ndarray, np.ndarray], Work], rank: int, size: int,
         raise KINDS[int(every[failed[0], 0]) - 1](
             f"rank {rank}: {what} failed on rank(s) {failed} ({quoted}{more})")
     return Agreement(every[:, _HEADER:_HEADER + len(values)].copy(), texts)
+
+
+def agree_on_setting(start: Callable[[np.ndarray, np.ndarray], Work], rank: int, size: int,
+                     timeout: float, on: bool, variable: str, why: str,
+                     error: BaseException | None = None) -> None:
+    """Raise ``ValueError`` on every rank unless what `variable` decided here (`on`) is the same
+    on every rank.
+
+    Collective, as :func:`agree` (`start`, `rank`, `size`, `timeout`, `error` are its own).
+    The message lists the ranks on each side (with their ``COMM_WORLD`` ranks where these
+    differ) and says `why` the setting must agree.
+    """
+    every = agree(start, rank, size, f"the {variable} check", timeout, error,
+                  [int(on), MPI.COMM_WORLD.Get_rank()]).values
+    if every[:, 0].min() == every[:, 0].max():
+        return
+    on_ranks, off_ranks = (", ".join(f"{r} (world rank {w})" if w != r else str(r)
+                                     for r, (flag, w) in enumerate(every.tolist()) if flag == side)
+                           for side in (1, 0))
+    raise ValueError(f"rank {rank}: {variable} is on for ranks {on_ranks} and off for ranks "
+                     f"{off_ranks}; {why}, so set it the same on every rank (in the job's "
+                     f"environment, before mpiexec or srun)")

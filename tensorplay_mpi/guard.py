@@ -26,9 +26,9 @@ it while waiting.  It owns two private duplicates:
     With ``TENSORPLAY_MPI_DEBUG=1``, before every library collective the ranks allgather its
     signature (kind, count, dtype, op, root) and raise
     :class:`~tensorplay_mpi.errors.CollectiveMismatchError` on every rank if they differ.
-    When a guard is made, the ranks first compare there the settings that decide which
-    collectives a rank starts (:data:`SHAPING_SETTINGS`): set on some ranks only, they would
-    hang the first collective, so they raise ``ValueError`` on every rank instead.
+    When a guard is made, the ranks first compare there whether debug mode is on: on some
+    ranks only, its checks would hang the first collective, so it raises ``ValueError`` on
+    every rank instead.
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ from typing import Callable, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from .agreement import agree
+from .agreement import agree, agree_on_setting
 from .drain import ReplayLog, drain
 from .errors import CollectiveMismatchError, PeerFailureError
 from .settings import settings
 from .stall import ANSWER_TAG, QUERY_TAG, StallReport, answer
 from .work import Work
 
-__all__ = ["Guard", "Verdict", "NOTICE_GRACE_S", "SHAPING_SETTINGS"]
+__all__ = ["Guard", "Verdict", "NOTICE_GRACE_S"]
 
 NOTICE_GRACE_S = 0.25
 """Seconds a wait goes on after a failure notice before it raises PeerFailureError."""
@@ -56,11 +56,6 @@ _NOTICE_TAG = 0x7E11
 _SIGNATURE_BYTES = 96  # per part: the signature compared, and what it is for (shown)
 _COLLECTIVES = ("allreduce", "bcast", "allgather")
 _KEYVAL = MPI.Comm.Create_keyval(delete_fn=lambda comm, keyval, guard: guard.free())
-
-SHAPING_SETTINGS = ("debug", "persistent")
-"""The settings that decide which collectives a rank starts (debug mode's signature checks are
-collectives of their own; persistent collectives match only persistent ones): every rank of a
-communicator must have the same values, which :meth:`Guard.attach` checks."""
 
 
 class Verdict(NamedTuple):
@@ -98,26 +93,19 @@ class Guard:
         self._stall: StallReport | None = None  # a stall report waiting for answers
         self._sent: list[np.ndarray] = []  # payloads of stall messages, kept while MPI may read
         try:
-            self._check_shaping_settings()
+            self._check_debug_everywhere()
         except BaseException:
             self.free()
             raise
 
-    def _check_shaping_settings(self) -> None:
-        """Raise ``ValueError`` on every rank unless :data:`SHAPING_SETTINGS` agree (on
-        ``checks``: the guarded communicator counts no collective for it)."""
-        mine = " ".join(f"TENSORPLAY_MPI_{name.upper()}={getattr(settings(), name)!s}"
-                        for name in SHAPING_SETTINGS).replace("=True", "=1").replace("=False", "=0")
-        what = "the settings check of a new communicator"
-        texts = agree(lambda row, every: Work(self.checks.Iallgather(row, every), what,
-                                              (row, every), None, self),
-                      self.rank, self.size, what, settings().timeout, text=mine).texts
-        if any(text != texts[0] for text in texts):
-            by_rank = "\n".join(f"  rank {r}: {text}" for r, text in enumerate(texts))
-            raise ValueError(
-                f"rank {self.rank}: these settings decide which collectives a rank starts and "
-                f"differ across ranks; set them the same on every rank (in the job's "
-                f"environment, before mpiexec or srun):\n{by_rank}")
+    def _check_debug_everywhere(self) -> None:
+        """Raise ``ValueError`` on every rank unless debug mode is on everywhere or nowhere (on
+        ``checks``, where its signature checks run)."""
+        what = "the debug-mode check of a new communicator"
+        agree_on_setting(lambda row, every: Work(self.checks.Iallgather(row, every), what,
+                                                 (row, every), None, self),
+                         self.rank, self.size, settings().timeout, settings().debug,
+                         "TENSORPLAY_MPI_DEBUG", "its checks are collectives of their own")
 
     @staticmethod
     def of(comm: MPI.Comm) -> "Guard | None":
@@ -134,7 +122,7 @@ class Guard:
         Raises
         ------
         ValueError
-            The first time, on every rank, if :data:`SHAPING_SETTINGS` differ across ranks.
+            The first time, on every rank, if ``TENSORPLAY_MPI_DEBUG`` differs across ranks.
         """
         guard = cls.of(comm)
         if guard is None:

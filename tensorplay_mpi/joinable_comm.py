@@ -38,10 +38,10 @@ from typing import Any, NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from .agreement import KINDS, kind_code
+from .agreement import KINDS, agree_on_setting, kind_code
 from .algorithms.guarded_joinable import GuardedJoinable
 from .algorithms.join import Join, JoinHook
-from .buffers import device_of, misordered, zeros_like
+from .buffers import device_of, is_device_array, misordered, zeros_like
 from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_name
 from .persistent import MAX_BYTES, PersistentCollectives, enabled
 from .tensors import as_array, is_tensor, like
@@ -122,6 +122,13 @@ def _dtype_code(dtype: np.dtype) -> int:
     if code is None:
         raise TypeError(f"JoinableComm cannot send dtype {dtype}")
     return code
+
+
+def _fits_persistent(x: Any) -> bool:
+    """Whether `x` takes a persistent collective while every rank is active: a host array (of
+    any ndarray type, so that the path never depends on one rank's array type) of at most
+    :data:`~tensorplay_mpi.persistent.MAX_BYTES` bytes."""
+    return isinstance(x, np.ndarray) and not is_device_array(x) and x.nbytes <= MAX_BYTES
 
 
 def _covered(fields: tuple) -> tuple:
@@ -221,7 +228,21 @@ class JoinableComm(GuardedJoinable):
         self._highest: tuple = (None, 0, -1)  # (Join, active ranks, the highest active rank)
         self._iteration = 0
         self._where = "iteration 0"
-        self._persistent = PersistentCollectives(self.comm, self.timeout) if enabled() else None
+        self._persistent = self._persistent_everywhere()
+
+    def _persistent_everywhere(self) -> PersistentCollectives | None:
+        """The persistent collectives, if ``TENSORPLAY_MPI_PERSISTENT`` turns them on on every
+        rank; ``ValueError`` on every rank if on some only (collective: one allgather)."""
+        refused: RuntimeError | None = None
+        try:
+            on = enabled()
+        except RuntimeError as error:  # =1 where MPI has none
+            on, refused = False, error
+        what = "the TENSORPLAY_MPI_PERSISTENT check"
+        agree_on_setting(lambda mine, every: iallgather(self.comm, mine, every, what),
+                         self.rank, self.size, self.timeout, on, "TENSORPLAY_MPI_PERSISTENT",
+                         "a persistent collective matches only a persistent one", refused)
+        return PersistentCollectives(self.comm, self.timeout) if on else None
 
     # -- iterations ------------------------------------------------------------------------
 
@@ -372,8 +393,7 @@ class JoinableComm(GuardedJoinable):
                 return result if wait else _completed(result, f"allreduce ({self._where}, "
                                                               "carried)")
             self._announce(_ALLREDUCE, op_code, code, count=x.size)
-        elif wait and self._persistent is not None and type(x) is np.ndarray \
-                and x.nbytes <= MAX_BYTES:  # every rank active: the same on every rank
+        elif wait and self._persistent is not None and _fits_persistent(x):
             self._persistent.allreduce(x, out, op, op_code, f"allreduce ({self._where})")
             return result
         send = MPI.IN_PLACE if out is x else x
@@ -463,8 +483,7 @@ class JoinableComm(GuardedJoinable):
         else:
             if highest:
                 target = self.size - 1
-            if wait and self._persistent is not None and type(x) is np.ndarray \
-                    and x.nbytes <= MAX_BYTES:  # every rank active: the same on every rank
+            if wait and self._persistent is not None and _fits_persistent(x):
                 self._persistent.bcast(x, out, target, f"bcast from {target} ({self._where})")
                 return result
         if self.rank == target and out is not x:

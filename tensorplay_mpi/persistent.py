@@ -34,6 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .guard import Guard
+from .ops import op_name
 from .settings import settings
 from .work import Work
 
@@ -109,14 +110,14 @@ class PersistentCollectives:
 
     def allreduce(self, x: np.ndarray, out: Any, op: MPI.Op, op_code: int, what: str) -> None:
         """Allreduce of the host array `x` into `out` (shaped and typed like `x`)."""
-        self._check("allreduce", what, lambda: f"allreduce {x.size}x{x.dtype} op={op_code}")
+        self._check("allreduce", what, lambda: f"allreduce {x.size}x{x.dtype} op={op_name(op)}")
         key = (0, x.dtype, x.size, op_code)
         entry = self._cache.pop(key, None)
         if entry is None:
             send, recv = np.empty(x.size, x.dtype), np.empty(x.size, x.dtype)
             entry = (self.comm.Allreduce_init(send, recv, op), send, recv)
         request, send, recv = entry
-        send[...] = x.reshape(-1)
+        send[...] = np.asarray(x).reshape(-1)
         self._run(request, what, entry)
         self._keep(key, entry)
         out[...] = recv.reshape(x.shape)
@@ -131,7 +132,7 @@ class PersistentCollectives:
             entry = (self.comm.Bcast_init(buf, root), buf, buf)
         request, buf, _ = entry
         if self.comm.Get_rank() == root:
-            buf[...] = x.reshape(-1)
+            buf[...] = np.asarray(x).reshape(-1)
         self._run(request, what, entry)
         self._keep(key, entry)
         out[...] = buf.reshape(x.shape)

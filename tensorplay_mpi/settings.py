@@ -25,9 +25,10 @@ needs the settings, before that call starts anything.  Any other ``TENSORPLAY_MP
 (a misspelling such as ``TENSORPLAY_MPI_TIMOUT``) gets one ``RuntimeWarning`` from rank 0.
 
 ``TENSORPLAY_MPI_DEBUG`` and ``TENSORPLAY_MPI_PERSISTENT`` decide which collectives a rank
-starts, so they must be the same on every rank: the first library use of a communicator
-compares them and raises ``ValueError`` on every rank, listing each rank's values, when they
-differ (set them in the job's environment, not per rank).  The others may differ.
+starts, so what they decide must be the same on every rank: debug mode is compared at the first
+library use of a communicator, persistent collectives when a ``JoinableComm`` is made (``auto``
+and ``1`` agree where MPI has them), and a difference raises ``ValueError`` on every rank,
+listing the ranks on each side.  Set them in the job's environment, not per rank.
 """
 
 from __future__ import annotations

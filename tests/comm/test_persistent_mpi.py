@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tensorplay_mpi import Join, JoinableComm, persistent
+from tensorplay_mpi import DataParallel, Join, JoinableComm, persistent
 from tensorplay_mpi.errors import CollectiveMismatchError
 from tensorplay_mpi.settings import settings
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere, reset_settings
@@ -68,18 +68,74 @@ def test_persistent_one_where_unsupported_is_refused_everywhere(comm, monkeypatc
         reset_settings()
 
 
+def _skip_without_persistent_collectives():
+    if not persistent.supported():
+        pytest.skip("this MPI has no persistent collectives (MPI < 4 or mpi4py < 4)")
+
+
 @pytest.mark.mpi(min_size=2)
-def test_a_persistent_collective_against_a_nonblocking_one_is_a_mismatch_in_debug_mode(comm):
-    """Rank 0 waits on ``iallreduce`` where the others call ``allreduce`` (persistent): they
-    would never match; debug mode (the plugin's) names it on every rank instead of hanging."""
+@pytest.mark.parametrize("first", ["JoinableComm", "DataParallel"])
+def test_persistent_on_some_ranks_only_raises_on_every_rank_where_it_matters(
+        comm, monkeypatch, first):
+    _skip_without_persistent_collectives()
+    other = "0" if persistent.enabled() else "auto"
+    last = comm.size - 1
+    if comm.rank == last:
+        monkeypatch.setenv("TENSORPLAY_MPI_PERSISTENT", other)
+        reset_settings()
+    if first == "DataParallel":  # it has no persistent collective: nothing to refuse
+        DataParallel([np.zeros(2)], comm=comm)
+        return
+    with raises_everywhere(ValueError, match="TENSORPLAY_MPI_PERSISTENT is on for ranks") as raised:
+        JoinableComm(comm)
+    side = "off" if other == "0" else "on"
+    assert_all(f"{side} for ranks {last}" in str(raised.value), f"the message: {raised.value}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_and_1_on_different_ranks_agree_where_both_mean_on(comm, monkeypatch):
+    _skip_without_persistent_collectives()
+    monkeypatch.setenv("TENSORPLAY_MPI_PERSISTENT", "1" if comm.rank == 0 else "auto")
+    reset_settings()
+    jc = JoinableComm(comm)
+    total = jc.allreduce(np.arange(3.0))
+    assert_all(np.array_equal(total, np.arange(3.0) * comm.size), f"allreduce gave {total}")
+
+
+class _Tagged(np.ndarray):
+    """A host array of another ndarray type (as np.memmap is)."""
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["allreduce", "bcast"])
+def test_an_ndarray_subclass_on_one_rank_takes_the_same_path(comm, op):
+    """Rank 0's array is an ndarray subclass, the others' plain: the same collective on every
+    rank (debug mode, the plugin's, would name a mismatch), exact."""
+    jc = JoinableComm(comm)
+    x = np.full(3, comm.rank + 1.0)
+    if comm.rank == 0:
+        x = x.view(_Tagged)
+    if op == "allreduce":
+        got, expected = jc.allreduce(x), np.full(3, comm.size * (comm.size + 1) / 2)
+    else:
+        got, expected = jc.bcast(x, root=0), np.ones(3)
+    assert_all(np.array_equal(np.asarray(got), expected), f"{op} gave {got}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["allreduce", "bcast"])
+def test_a_persistent_collective_against_a_nonblocking_one_is_a_mismatch_in_debug_mode(
+        comm, op):
+    """Rank 0 waits on the i-variant where the others call the blocking method (persistent):
+    they would never match; debug mode (the plugin's) names it on every rank instead."""
     if not persistent.enabled():
         pytest.skip("no persistent collectives here (TENSORPLAY_MPI_PERSISTENT=0 or MPI < 4)")
     if not settings().debug:
-        pytest.skip("TENSORPLAY_MPI_DEBUG=0 in the environment: without the check it hangs")
+        pytest.skip("TENSORPLAY_MPI_DEBUG=0 in the environment: there is no check to test")
     jc = JoinableComm(comm)
     x = np.ones(4)
-    with raises_everywhere(CollectiveMismatchError, match="persistent allreduce"):
+    with raises_everywhere(CollectiveMismatchError, match=f"persistent {op}"):
         if comm.rank == 0:
-            jc.iallreduce(x).wait()
+            (jc.iallreduce(x) if op == "allreduce" else jc.ibcast(x, root=0)).wait()
         else:
-            jc.allreduce(x)
+            jc.allreduce(x) if op == "allreduce" else jc.bcast(x, root=0)
