@@ -144,7 +144,8 @@ def agree_on_setting(start: Callable[[np.ndarray, np.ndarray], Work], rank: int,
                   [int(on), MPI.COMM_WORLD.Get_rank()]).values
     if every[:, 0].min() == every[:, 0].max():
         return
-    on_ranks, off_ranks = (", ".join(f"{r} (world rank {w})" if w != r else str(r)
+    world = any(w != r for r, w in enumerate(every[:, 1].tolist()))  # a sub-communicator
+    on_ranks, off_ranks = (", ".join(f"{r} (world rank {w})" if world else str(r)
                                      for r, (flag, w) in enumerate(every.tolist()) if flag == side)
                            for side in (1, 0))
     raise ValueError(f"rank {rank}: {variable} is on for ranks {on_ranks} and off for ranks "

@@ -125,10 +125,10 @@ def _dtype_code(dtype: np.dtype) -> int:
 
 
 def _fits_persistent(x: Any) -> bool:
-    """Whether `x` takes a persistent collective while every rank is active: a host array (of
-    any ndarray type, so that the path never depends on one rank's array type) of at most
-    :data:`~tensorplay_mpi.persistent.MAX_BYTES` bytes."""
-    return isinstance(x, np.ndarray) and not is_device_array(x) and x.nbytes <= MAX_BYTES
+    """Whether `x` (as :meth:`JoinableComm._array` gives it) takes a persistent collective while
+    every rank is active: a host array of at most :data:`~tensorplay_mpi.persistent.MAX_BYTES`
+    bytes."""
+    return type(x) is np.ndarray and x.nbytes <= MAX_BYTES
 
 
 def _covered(fields: tuple) -> tuple:
@@ -511,8 +511,12 @@ class JoinableComm(GuardedJoinable):
 
     def _array(self, x: Any) -> Any:
         """`x` as an array MPI can send: C-ordered (a copy if it was not), on its device; a
-        torch CPU tensor or a CPU DLPack exporter as the NumPy view of its memory."""
-        if type(x) is not np.ndarray:
+        torch CPU tensor or a CPU DLPack exporter as the NumPy view of its memory; a host array
+        of another ndarray type (``np.memmap``, ``np.matrix``) as a plain view, so that the
+        path an operation takes never depends on one rank's array type."""
+        if isinstance(x, np.ndarray) and not is_device_array(x):
+            x = x.view(np.ndarray)
+        elif type(x) is not np.ndarray:
             x = as_array(x)
             if not hasattr(x, "dtype") or not hasattr(x, "shape"):
                 return np.asarray(x)
@@ -525,9 +529,16 @@ class JoinableComm(GuardedJoinable):
         return _FollowAnnouncements(self)
 
     def _made_into(self, join: Join) -> None:
-        """`join` was made with this JoinableComm: the checks of the layers that issue their
-        collectives through it (SyncBatchNorm's) refuse a Join they cannot run in, on every
-        rank before anything starts."""
+        """`join` was made with this JoinableComm: a second JoinableComm in it, or a Join that
+        the layers issuing their collectives through it (SyncBatchNorm's) cannot run in, is
+        refused on every rank before anything starts."""
+        count = sum(isinstance(joinable, JoinableComm) for joinable in join.joinables)
+        if count > 1:
+            raise ValueError(
+                f"a Join holds at most one JoinableComm, got {count}: a joined rank follows the "
+                f"announcements of its communicator in order, and two JoinableComms on one "
+                f"communicator would interleave them; issue every operation of the loop "
+                f"through one JoinableComm (SyncBatchNorm layers take it as process_group)")
         for check in getattr(self, "_join_checks", ()):
             check(join)
         super()._made_into(join)

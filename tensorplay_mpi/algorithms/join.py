@@ -334,8 +334,14 @@ class Join:
         self._rounds = 0  # rounds shadowed once joined
         self._entered = False
         self._joining = False
-        for joinable in self._joinables:
-            joinable._made_into(self)
+        try:
+            for joinable in self._joinables:
+                joinable._made_into(self)
+        except BaseException:  # a joinable refused this Join: none of them was made into it
+            for joinable in self._joinables:
+                if joinable._made_join is self:
+                    joinable._made_join = None
+            raise
 
     def _check_joinables(self) -> None:
         if not self._joinables:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from helpers import PROGRAMS, results, rss_bytes
 from mpi4py import MPI
+from toys import AllReducer
 
 from tensorplay_mpi import Join, JoinableComm
 from tensorplay_mpi.joinable_comm import _digest
@@ -185,3 +186,22 @@ def test_an_op_mpi_does_not_define_on_the_dtype_is_a_type_error_in_both_modes(
         jc.begin_iteration()
         total = jc.allreduce(np.ones(1))
     assert_all(total[0] == comm.size, f"total {total}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_joinable_comms_in_one_join_are_refused_and_the_first_still_works(comm):
+    """Two JoinableComms on one communicator would interleave their announcements (a joined
+    rank's shadow waited until the timeout): the Join is refused on every rank, and no joinable
+    is left marked as made into a Join that was never entered."""
+    first, second, before = JoinableComm(comm), JoinableComm(comm), AllReducer(comm)
+    with raises_everywhere(ValueError, match="at most one JoinableComm, got 2"):
+        Join([before, first, second])
+    outside = before()  # outside a Join: no "a Join was made ... but never entered"
+    assert_all(outside == comm.size, f"outside a Join: {outside}")
+    iterations = 1 if comm.rank == 0 else 3  # rank 0 joins early
+    with Join([first]):
+        for _ in range(iterations):
+            first.begin_iteration()
+            total = first.allreduce(np.ones(2))
+    assert_all(np.array_equal(total, np.full(2, comm.size - (comm.rank != 0))),
+               f"the last allreduce gave {total}")

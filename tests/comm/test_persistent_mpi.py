@@ -109,17 +109,25 @@ class _Tagged(np.ndarray):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["allreduce", "bcast"])
 def test_an_ndarray_subclass_on_one_rank_takes_the_same_path(comm, op):
-    """Rank 0's array is an ndarray subclass, the others' plain: the same collective on every
-    rank (debug mode, the plugin's, would name a mismatch), exact."""
+    """Rank 0's array is an ndarray subclass, the others' plain, every rank active (the
+    persistent path) and then the last rank joined (the announcements): the same collective
+    on every rank (debug mode, the plugin's, would name a mismatch), exact."""
     jc = JoinableComm(comm)
-    x = np.full(3, comm.rank + 1.0)
-    if comm.rank == 0:
-        x = x.view(_Tagged)
-    if op == "allreduce":
-        got, expected = jc.allreduce(x), np.full(3, comm.size * (comm.size + 1) / 2)
-    else:
-        got, expected = jc.bcast(x, root=0), np.ones(3)
-    assert_all(np.array_equal(np.asarray(got), expected), f"{op} gave {got}")
+    errors = []
+    with Join([jc]):
+        for t in range(1 if comm.rank == comm.size - 1 else 2):
+            jc.begin_iteration()
+            active = range(comm.size if t == 0 else comm.size - 1)
+            x = np.full(3, comm.rank + 1.0 + t)
+            if comm.rank == 0:
+                x = x.view(_Tagged)
+            if op == "allreduce":
+                got, expected = jc.allreduce(x, MPI.MAX), np.full(3, max(active) + 1.0 + t)
+            else:
+                got, expected = jc.bcast(x, root=0), np.full(3, 1.0 + t)
+            if not np.array_equal(np.asarray(got), expected):
+                errors.append(f"iteration {t}: {op} gave {got}, expected {expected}")
+    assert_all(not errors, "; ".join(errors))
 
 
 @pytest.mark.mpi(min_size=2)
