@@ -137,8 +137,8 @@ def agree_on_setting(start: Callable[[np.ndarray, np.ndarray], Work], rank: int,
     on every rank.
 
     Collective, as :func:`agree` (`start`, `rank`, `size`, `timeout`, `error` are its own).
-    The message lists the ranks on each side (with their ``COMM_WORLD`` ranks where these
-    differ) and says `why` the setting must agree.
+    The message lists the ranks on each side (with their ``COMM_WORLD`` ranks too where these
+    differ from them: a sub-communicator) and says `why` the setting must agree.
     """
     every = agree(start, rank, size, f"the {variable} check", timeout, error,
                   [int(on), MPI.COMM_WORLD.Get_rank()]).values

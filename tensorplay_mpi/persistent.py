@@ -117,7 +117,7 @@ class PersistentCollectives:
             send, recv = np.empty(x.size, x.dtype), np.empty(x.size, x.dtype)
             entry = (self.comm.Allreduce_init(send, recv, op), send, recv)
         request, send, recv = entry
-        send[...] = np.asarray(x).reshape(-1)
+        send[...] = x.reshape(-1)
         self._run(request, what, entry)
         self._keep(key, entry)
         out[...] = recv.reshape(x.shape)
@@ -132,7 +132,7 @@ class PersistentCollectives:
             entry = (self.comm.Bcast_init(buf, root), buf, buf)
         request, buf, _ = entry
         if self.comm.Get_rank() == root:
-            buf[...] = np.asarray(x).reshape(-1)
+            buf[...] = x.reshape(-1)
         self._run(request, what, entry)
         self._keep(key, entry)
         out[...] = buf.reshape(x.shape)
