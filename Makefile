@@ -200,21 +200,30 @@ bench-fresh:  ## the optimizer benchmark on a fresh default install (FRESH_VENV)
 	cd benchmarks && OPENBLAS_NUM_THREADS=1 ../$(FRESH_VENV)/bin/python bench_optim.py \
 	  --out results/optim-fresh.json
 
-# On a machine with an NVIDIA GPU and CuPy (visible to $(PYTHON)): the gpu tests at 1 and 2
-# ranks, then the GPU benchmark; JSON in benchmarks/results/. Under five minutes.
-GPU_VENV ?= .venv-gpu
-gpu-check:  ## on an NVIDIA GPU with CuPy: the GPU tests and benchmark
+# On a machine with an NVIDIA GPU and CuPy: the gpu tests at 1 and 2 ranks, then the GPU
+# benchmark; JSON in benchmarks/results/. Under five minutes. By default in a venv (GPU_VENV)
+# that sees $(PYTHON)'s packages (CuPy) and gets the project's (it needs the network). Offline,
+# name a Python that has CuPy, mpi4py with an MPI, pytest, pytest-mpi and pytest-timeout, and
+# its mpiexec: make gpu-check GPU_PY=python3 GPU_MPIEXEC=mpiexec (the project from this tree).
+GPU_VENV    ?= .venv-gpu
+GPU_PY      ?= $(GPU_VENV)/bin/python
+GPU_MPIEXEC ?= $(GPU_VENV)/bin/mpiexec
+GPU_RUN     := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}
+
+$(GPU_VENV)/bin/python:
 	$(PYTHON) -m venv --system-site-packages $(GPU_VENV)
 	$(GPU_VENV)/bin/python -m pip install -q -e '.[mpich,test]'
-	$(GPU_VENV)/bin/python -c "import cupy; print('CuPy', cupy.__version__, 'GPUs', cupy.cuda.runtime.getDeviceCount())"
+
+gpu-check: $(filter $(GPU_VENV)/bin/python,$(GPU_PY))  ## on an NVIDIA GPU with CuPy: the GPU tests and benchmark
+	$(GPU_RUN) $(GPU_PY) -c "import cupy; print('CuPy', cupy.__version__, 'GPUs', cupy.cuda.runtime.getDeviceCount())"
 	@mkdir -p benchmarks/results
 	@for n in 1 2; do \
-	  timeout -k 10 120 $(GPU_VENV)/bin/mpiexec -n $$n $(GPU_VENV)/bin/python -m mpi4py \
-	    -m pytest --with-mpi -m gpu -q --timeout=60 --timeout-method=thread tests || exit 1; \
-	  timeout -k 10 60 $(GPU_VENV)/bin/mpiexec -n $$n $(GPU_VENV)/bin/python -m mpi4py \
+	  $(GPU_RUN) timeout -k 10 180 $(GPU_MPIEXEC) -n $$n $(GPU_PY) -m mpi4py -m pytest --with-mpi \
+	    -m gpu -q -rs --timeout=60 --timeout-method=thread tests/buffers/test_cupy_mpi.py || exit 1; \
+	  $(GPU_RUN) timeout -k 10 60 $(GPU_MPIEXEC) -n $$n $(GPU_PY) -m mpi4py \
 	    benchmarks/bench_gpu.py --out benchmarks/results/gpu-$$n-ranks.json || exit 1; \
 	done
-	$(GPU_VENV)/bin/python -m tensorplay_mpi.info
+	$(GPU_RUN) $(GPU_PY) -m tensorplay_mpi.info
 
 clean:  ## remove the venvs, build outputs and test logs
 	rm -rf $(VENV) .venv-ompi $(GPU_VENV) build *.egg-info .test-logs

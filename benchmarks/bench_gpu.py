@@ -9,6 +9,7 @@ device-to-host plus host-to-device copy of the same bytes through a pinned buffe
 
 import argparse
 import json
+import os
 
 import cupy
 import cupyx
@@ -16,6 +17,7 @@ from bench_dp import median_time
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join, buffers
+from tensorplay_mpi.testing import reset_settings
 
 
 def synchronised(fn):
@@ -48,7 +50,9 @@ def main():
               "cuda_aware_detected": aware, "why": why, "copy_round_trip_ms": copy_s * 1e3,
               "modes": {}}
     for mode, use_device_pointers in modes.items():
-        buffers._decision = (use_device_pointers, f"benchmark mode {mode}")
+        os.environ["TENSORPLAY_MPI_CUDA_AWARE"] = "1" if use_device_pointers else "0"
+        reset_settings()  # the next cuda_aware() reads the mode just set
+        assert buffers.cuda_aware()[0] == use_device_pointers
         params = [cupy.zeros(args.params, cupy.float32)]
         dp = DataParallel(params, comm=comm)
 

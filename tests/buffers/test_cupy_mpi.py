@@ -6,7 +6,8 @@ from helpers import UNEVEN
 from linear import make_problem, train
 from mpi4py import MPI
 
-from tensorplay_mpi import Adam, Join, ZeroRedundancyOptimizer, buffers
+from tensorplay_mpi import (SGD, Adam, AdamW, DataParallel, Join, JoinableComm,
+                            ZeroRedundancyOptimizer, buffers)
 from tensorplay_mpi.testing import assert_all, inputs_of, reset_settings
 
 cupy = pytest.importorskip("cupy")
@@ -55,8 +56,6 @@ def test_a_gradient_written_on_another_stream_is_synchronised(comm):
     current stream and waits for the copy, so there a missing sync could not show."""
     if not buffers.cuda_aware()[0]:
         pytest.skip("the MPI library is not CUDA-aware")
-    from tensorplay_mpi import DataParallel
-
     stream = cupy.cuda.Stream(non_blocking=True)
     spy = StreamSpy(comm)
     spy.stream, spy.done_at_start = stream, []
@@ -90,3 +89,61 @@ def test_zero_with_cupy_equals_the_host_run(comm, monkeypatch, mode):
 
     close = all(np.allclose(d, h, rtol=1e-12) for d, h in zip(run(cupy), run(np)))
     assert_all(close, "the GPU run left the host run")
+
+
+OPTIMIZERS = {"SGD": (SGD, {"lr": 0.1}),
+              "SGD nesterov": (SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True,
+                                     "weight_decay": 0.01}),
+              "Adam": (Adam, {"lr": 0.05}),
+              "AdamW": (AdamW, {"lr": 0.05, "weight_decay": 0.1})}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_local_optimizers_on_cupy_equal_the_host_run(comm, name):
+    """DataParallel + a local optimizer (its CuPy kernels) with uneven inputs, against NumPy."""
+    cls, hyper = OPTIMIZERS[name]
+    inputs = inputs_of("three_plus_rank", comm.size)
+
+    def run(xp):
+        rng = np.random.default_rng(5)
+        params = [xp.asarray(rng.normal(size=n)) for n in (7, 3, 12)]
+        dp = DataParallel(params, comm=comm, bucket_cap_mb=1e-6)
+        opt = cls(params, dp.grads, **hyper)
+        with Join([dp, opt]):
+            for t in range(inputs[comm.rank]):
+                with dp.step():
+                    for i, g in enumerate(dp.grads):
+                        g[...] = xp.asarray(np.sin(np.arange(g.size) + i + t + comm.rank))
+                opt.step()
+        return [cupy.asnumpy(p) if xp is cupy else p for p in params]
+
+    close = all(np.allclose(d, h, rtol=1e-12, atol=1e-15) for d, h in zip(run(cupy), run(np)))
+    assert_all(close, f"{name}: the GPU run left the host run")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pattern", UNEVEN)
+def test_joinable_comm_on_cupy_equals_the_host_run(comm, monkeypatch, mode, pattern):
+    """allreduce (small: announced or persistent paths; large), bcast and allgather of CuPy
+    arrays with joined ranks: bitwise the NumPy results, returned as CuPy arrays."""
+    set_mode(monkeypatch, mode)
+    inputs = inputs_of(pattern, comm.size)
+
+    def run(xp):
+        jc, results, kinds = JoinableComm(comm), [], set()
+        with Join([jc]):
+            for t in range(inputs[comm.rank]):
+                jc.begin_iteration()
+                for got in (jc.allreduce(xp.arange(5.0) + comm.rank + t),
+                            jc.allreduce(xp.full(1 << 16, comm.rank + t, xp.float32), MPI.MAX),
+                            jc.bcast(xp.full(3, comm.rank + t), root="highest_active"),
+                            jc.allgather(xp.full((comm.rank % 2 + 1, 2), comm.rank + t))):
+                    kinds.add(type(got))
+                    results.append(cupy.asnumpy(got) if xp is cupy else got)
+        return results, kinds
+
+    (device, kinds), (host, _) = run(cupy), run(np)
+    same = len(device) == len(host) and all(np.array_equal(d, h) for d, h in zip(device, host))
+    assert_all(same and kinds <= {cupy.ndarray}, f"results differ or not CuPy arrays: {kinds}")
