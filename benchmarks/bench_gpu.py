@@ -3,8 +3,10 @@
     mpiexec -n 2 python -m mpi4py benchmarks/bench_gpu.py --out gpu-2-ranks.json
 
 For host-staged mode (and CUDA-aware mode where MPI reports it): the median time of one
-``dp.step()`` reduction, its GB/s (parameter bytes / time), and its ratio to a plain
-device-to-host plus host-to-device copy of the same bytes through a pinned buffer.
+``dp.step()`` reduction, its GB/s (parameter bytes / time), its ratio to a plain
+device-to-host plus host-to-device copy of the same bytes through a pinned buffer, and its
+ratio to MPI's own allreduce of the same bytes in host memory (the staged path's floor: copies
+plus that allreduce).
 """
 
 import argparse
@@ -13,6 +15,7 @@ import os
 
 import cupy
 import cupyx
+import numpy as np
 from bench_dp import median_time
 from mpi4py import MPI
 
@@ -44,11 +47,14 @@ def main():
         grad.set(pinned)
 
     copy_s = median_time(comm, synchronised(copy_round_trip), args.repeats)
+    host = np.ones(args.params, np.float32)
+    host_s = median_time(comm, lambda: comm.Iallreduce(MPI.IN_PLACE, host, MPI.SUM).Wait(),
+                         args.repeats)
     aware, why = buffers.cuda_aware()
     modes = {"staged": False} | ({"cuda_aware": True} if aware else {})
     report = {"ranks": comm.size, "params": args.params, "bytes": grad.nbytes,
               "cuda_aware_detected": aware, "why": why, "copy_round_trip_ms": copy_s * 1e3,
-              "modes": {}}
+              "host_allreduce_ms": host_s * 1e3, "modes": {}}
     for mode, use_device_pointers in modes.items():
         os.environ["TENSORPLAY_MPI_CUDA_AWARE"] = "1" if use_device_pointers else "0"
         reset_settings()  # the next cuda_aware() reads the mode just set
@@ -63,7 +69,8 @@ def main():
         with Join([dp]):
             step_s = median_time(comm, synchronised(step), args.repeats)
         report["modes"][mode] = {"step_ms": step_s * 1e3, "GB_per_s": grad.nbytes / step_s / 1e9,
-                                 "ratio_to_copy_round_trip": step_s / copy_s}
+                                 "ratio_to_copy_round_trip": step_s / copy_s,
+                                 "ratio_to_host_allreduce": step_s / host_s}
     if comm.rank == 0:
         print(json.dumps(report, indent=2), flush=True)
         with open(args.out, "w") as f:
