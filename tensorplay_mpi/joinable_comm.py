@@ -557,11 +557,14 @@ def _output(x: Any, out: Any, given: Any) -> tuple[Any, Any]:
         new = np.empty_like(x) if type(x) is np.ndarray else zeros_like(x)
         return new, like(given, new)
     if out is x:
+        _refuse_read_only(out)
         return out, out
     if (type(out) is np.ndarray and out.base is None and x.base is None and out.shape == x.shape
-            and out.dtype == x.dtype and out.flags.c_contiguous):  # the common case: no more
-        return out, out  # to check (two arrays without a base cannot overlap)
+            and out.dtype == x.dtype and out.flags.c_contiguous
+            and out.flags.writeable):  # the common case: no more to check (two arrays
+        return out, out  # without a base cannot overlap)
     result, out = out, as_array(out, "out")
+    _refuse_read_only(out)
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be shaped and typed like the input: {x.shape} {x.dtype}, "
                          f"got {out.shape} {out.dtype}")
@@ -574,11 +577,17 @@ def _output(x: Any, out: Any, given: Any) -> tuple[Any, Any]:
                          f"{layout} array{' (out=x)' if result is given else ''}: {remedy}")
     if result is given:  # out=x of a tensor: in place, in the memory `x` views
         return x, result
-    if (type(out) is np.ndarray and type(x) is np.ndarray and (out.base is not None
-                                                               or x.base is not None)
-            and np.may_share_memory(out, x)):  # two arrays without a base cannot overlap
+    if (isinstance(out, np.ndarray) and isinstance(x, np.ndarray)  # np.memmap too
+            and (out.base is not None or x.base is not None)  # else they cannot overlap
+            and np.may_share_memory(out, x)):
         raise ValueError("out overlaps the input without being it; pass out=x to work in place")
     return out, result
+
+
+def _refuse_read_only(out: Any) -> None:
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ValueError("out is read-only, and the result is written into it: pass a "
+                         "writeable array, or none")
 
 
 def _check_root(root: int, active: bool) -> None:

@@ -334,13 +334,13 @@ class Join:
         self._rounds = 0  # rounds shadowed once joined
         self._entered = False
         self._joining = False
+        marks = [joinable._made_join for joinable in self._joinables]
         try:
             for joinable in self._joinables:
                 joinable._made_into(self)
         except BaseException:  # a joinable refused this Join: none of them was made into it
-            for joinable in self._joinables:
-                if joinable._made_join is self:
-                    joinable._made_join = None
+            for joinable, mark in zip(self._joinables, marks):
+                joinable._made_join = mark
             raise
 
     def _check_joinables(self) -> None:

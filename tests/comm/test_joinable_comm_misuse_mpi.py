@@ -118,11 +118,34 @@ def test_in_place_allreduce_and_bcast(comm, mode):
         assert_all(True)
 
 
+class _Sub(np.ndarray):
+    """A host array of another ndarray type (as np.memmap is)."""
+
+
 @pytest.mark.mpi(min_size=2)
-def test_an_overlapping_out_is_a_value_error(comm):
-    x = np.ones(4)
-    error = error_of(lambda: JoinableComm(comm).allreduce(x[:3], out=x[1:]))
+@pytest.mark.parametrize("kind", [np.ndarray, _Sub])
+@pytest.mark.parametrize("n", [4, 100_000])  # persistent or nonblocking
+def test_an_overlapping_out_is_a_value_error(comm, kind, n):
+    x = np.ones(n + 1)
+    error = error_of(lambda: JoinableComm(comm).allreduce(x[:n], out=x[1:].view(kind)))
     assert_all(isinstance(error, ValueError) and "out=x" in str(error), repr(error))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["allreduce", "bcast", "allreduce out=x"])
+@pytest.mark.parametrize("n", [4, 100_000])
+def test_a_read_only_out_is_a_value_error_before_any_collective(comm, op, n):
+    jc, x, out = JoinableComm(comm), np.ones(n), np.zeros(n)
+    out.flags.writeable = False
+    with raises_everywhere(ValueError, match="out is read-only"):
+        if op == "allreduce":
+            jc.allreduce(x, out=out)
+        elif op == "bcast":
+            jc.bcast(x, root=0, out=out)
+        else:
+            jc.allreduce(out, out=out)
+    total = jc.allreduce(np.ones(2))  # nothing started: the communicator works on
+    assert_all(np.array_equal(total, np.full(2, comm.size)), f"allreduce gave {total}")
 
 
 @pytest.mark.mpi(min_size=3)
@@ -198,6 +221,11 @@ def test_two_joinable_comms_in_one_join_are_refused_and_the_first_still_works(co
         Join([before, first, second])
     outside = before()  # outside a Join: no "a Join was made ... but never entered"
     assert_all(outside == comm.size, f"outside a Join: {outside}")
+    Join([before])  # made, never entered: a refused Join must not hide that
+    with raises_everywhere(ValueError, match="at most one JoinableComm"):
+        Join([before, first, second])
+    with raises_everywhere(RuntimeError, match="never entered"):
+        before()
     iterations = 1 if comm.rank == 0 else 3  # rank 0 joins early
     with Join([first]):
         for _ in range(iterations):
