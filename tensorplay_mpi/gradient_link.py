@@ -127,7 +127,7 @@ def used_of(link: GradientViews | None) -> np.ndarray | None:
 
 def position(join: "Join", joinable: Any) -> int | None:
     """The index of `joinable` in `join`'s list (by identity), ``None`` if it is not there."""
-    for k, j in enumerate(join.joinables):  # a loop: it runs before every heartbeat
+    for k, j in enumerate(join.joinables):
         if j is joinable:
             return k
     return None

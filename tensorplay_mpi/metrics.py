@@ -189,6 +189,11 @@ def _start_reduce(group: JoinableComm | MPI.Intracomm, values: np.ndarray, op: M
     return iallreduce(group, MPI.IN_PLACE, values, op, what)
 
 
+class _StatesDiffer(ValueError):
+    """Ranks passed different states to :func:`reduce_states` (raised on every rank), so that
+    a layer built on it can say what that means for its users."""
+
+
 def _check_layout(group: JoinableComm | MPI.Intracomm, arrays: Mapping[str, np.ndarray],
                   timeout: float) -> None:
     """Raise ``ValueError`` on every rank unless every (active) rank passes the same names,
@@ -202,9 +207,9 @@ def _check_layout(group: JoinableComm | MPI.Intracomm, arrays: Mapping[str, np.n
     if flags[0] != -flags[1]:
         mine = ", ".join(f"{name!r}: {shape} {'int' if exact else 'float'}"
                          for name, shape, exact in layout)
-        raise ValueError(f"reduce_states: ranks passed different states (names, shapes or "
-                         f"integer/floating kinds); pass the same on every rank. This rank "
-                         f"passed {{{mine}}}")
+        raise _StatesDiffer(f"reduce_states: ranks passed different states (names, shapes or "
+                            f"integer/floating kinds); pass the same on every rank. This rank "
+                            f"passed {{{mine}}}")
 
 
 def reduce_states(states: Mapping[str, Any], comm: Any = None, *,

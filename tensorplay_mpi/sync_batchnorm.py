@@ -32,7 +32,7 @@ import torch
 from mpi4py import MPI
 
 from .joinable_comm import JoinableComm
-from .metrics import _group, _size, reduce_states
+from .metrics import _group, _size, _StatesDiffer, reduce_states
 
 __all__ = ["SyncBatchNorm"]
 
@@ -47,9 +47,7 @@ def _sums(group: Any, floats: torch.Tensor, count: int | None = None,
         states["count"] = np.int64(count)
     try:
         totals = reduce_states(states, group, check=check)
-    except ValueError as error:
-        if not check or "ranks passed different states" not in str(error):
-            raise
+    except _StatesDiffer:
         raise ValueError(f"SyncBatchNorm: ranks have different numbers of channels (this rank "
                          f"{floats.numel() // 2}): every rank must run the same model") from None
     return torch.from_numpy(totals["sums"]), (None if count is None else int(totals["count"]))

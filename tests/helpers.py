@@ -6,7 +6,10 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["ROOT", "PROGRAMS", "results", "UNEVEN", "gathered_equal", "rss_bytes", "buckets_of"]
+import numpy as np
+
+__all__ = ["ROOT", "PROGRAMS", "results", "UNEVEN", "gathered_equal", "rss_bytes", "buckets_of",
+           "HostSubclass"]
 
 ROOT = Path(__file__).resolve().parent.parent
 """The repository's root."""
@@ -56,3 +59,7 @@ def buckets_of(grads):
         else:
             group.append(g)
     return groups
+
+
+class HostSubclass(np.ndarray):
+    """A host array of another ndarray type (as ``np.memmap`` and ``np.matrix`` are)."""

@@ -4,7 +4,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import PROGRAMS, results, rss_bytes
+from helpers import PROGRAMS, HostSubclass, results, rss_bytes
 from mpi4py import MPI
 from toys import AllReducer
 
@@ -118,12 +118,8 @@ def test_in_place_allreduce_and_bcast(comm, mode):
         assert_all(True)
 
 
-class _Sub(np.ndarray):
-    """A host array of another ndarray type (as np.memmap is)."""
-
-
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("kind", [np.ndarray, _Sub])
+@pytest.mark.parametrize("kind", [np.ndarray, HostSubclass])
 @pytest.mark.parametrize("n", [4, 100_000])  # persistent or nonblocking
 def test_an_overlapping_out_is_a_value_error(comm, kind, n):
     x = np.ones(n + 1)

@@ -3,6 +3,7 @@ signatures than the cache holds, the same with them off, and the setting."""
 
 import numpy as np
 import pytest
+from helpers import HostSubclass
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join, JoinableComm, persistent
@@ -102,10 +103,6 @@ def test_auto_and_1_on_different_ranks_agree_where_both_mean_on(comm, monkeypatc
     assert_all(np.array_equal(total, np.arange(3.0) * comm.size), f"allreduce gave {total}")
 
 
-class _Tagged(np.ndarray):
-    """A host array of another ndarray type (as np.memmap is)."""
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["allreduce", "bcast"])
 def test_an_ndarray_subclass_on_one_rank_takes_the_same_path(comm, op):
@@ -120,7 +117,7 @@ def test_an_ndarray_subclass_on_one_rank_takes_the_same_path(comm, op):
             active = range(comm.size if t == 0 else comm.size - 1)
             x = np.full(3, comm.rank + 1.0 + t)
             if comm.rank == 0:
-                x = x.view(_Tagged)
+                x = x.view(HostSubclass)
             if op == "allreduce":
                 got, expected = jc.allreduce(x, MPI.MAX), np.full(3, max(active) + 1.0 + t)
             else:
