@@ -100,11 +100,13 @@ test-openmpi:  ## the MPI tests against Open MPI (a second venv, .venv-ompi)
 # Random-signal trials of the demo's stop and resume (docs/stopping.md), at each of $(RANKS)
 # ranks: STOP_TRIALS trials in one job (a real signal to one rank or all at a random moment, then
 # a fresh run resumes from the checkpoint), then STOP_LAUNCHES real jobs signalled and run again.
-# Prints the outcomes per rank count; fails on a wrong digest or a hang. About 5 minutes here.
+# Prints the outcomes per rank count; fails on a wrong digest or a hang. About 12 minutes here.
 STOP_TRIALS   ?= 20
 STOP_LAUNCHES ?= 2
 # kill -9 trials (tests/programs/kill_trials.py): every rank SIGKILLed at a random moment of a
-# run saving every 5 steps, then the same command resumes; and N->M resumes (2->3, 3->2, 4->2).
+# run saving every 5 steps, then the same command resumes; and N->M resumes (2->3, 3->2, 4->2);
+# then the torch demo with BatchNorm (and SyncBatchNorm at 2 and 3 ranks): its digest covers
+# the running statistics a periodic save must hold.
 KILL_TRIALS   ?= 3
 stop-trials: venv  ## random-signal stop and resume trials of the demo (make test's ranks)
 	@dir=$$(mktemp -d); trap 'rm -rf "$$dir"' EXIT; \
@@ -115,7 +117,11 @@ stop-trials: venv  ## random-signal stop and resume trials of the demo (make tes
 	MPIEXEC="$(MPIEXEC)" timeout -k 10 600 $(PY) tests/programs/stop_launches.py \
 	  --ranks $(RANKS) --trials $(STOP_LAUNCHES) --dir "$$dir/jobs" && \
 	MPIEXEC="$(MPIEXEC)" timeout -k 10 900 $(PY) tests/programs/kill_trials.py \
-	  --ranks $(RANKS) --trials $(KILL_TRIALS) --dir "$$dir/kill"
+	  --ranks $(RANKS) --trials $(KILL_TRIALS) --dir "$$dir/kill" && \
+	MPIEXEC="$(MPIEXEC)" timeout -k 10 900 $(PY) tests/programs/kill_trials.py --demo torch \
+	  --norm batch --ranks $(RANKS) --trials $(KILL_TRIALS) --dir "$$dir/kill-torch" && \
+	MPIEXEC="$(MPIEXEC)" timeout -k 10 600 $(PY) tests/programs/kill_trials.py --demo torch \
+	  --norm sync --ranks $(filter 2 3,$(RANKS)) --trials 2 --dir "$$dir/kill-sync"
 
 # The documentation site, warnings as errors (its examples run in tests/project/test_docs.py).
 docs: venv  ## the documentation site in docs/_build/html, warnings as errors
@@ -180,13 +186,16 @@ bench-threads: venv  ## a step with the default BLAS threads against one thread
 
 # A torch model under DataParallel + Join against torch DDP + Join (gloo), 2 ranks, 1M and 25M
 # parameters, interleaved in one run (a few minutes); then torch.optim.AdamW with uneven inputs,
-# DDP + Join against DataParallel(update=): step time and state divergence across ranks.
+# DDP + Join against DataParallel(update=): step time and state divergence across ranks; then a
+# model with BatchNorm: SyncBatchNorm + DataParallel in one Join against DDP (plain BatchNorm).
 bench-torch: venv  ## a torch model: DataParallel + Join against DDP + Join (gloo), 2 ranks
 	@mkdir -p benchmarks/results
 	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_torch.py \
 	  --out benchmarks/results/torch-2-ranks.json
 	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_torch_adamw.py \
 	  --out benchmarks/results/torch-adamw-2-ranks.json
+	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_torch_bn.py \
+	  --out benchmarks/results/torch-bn-2-ranks.json
 
 # The optimizer benchmark as a new user installs: a fresh venv (FRESH_VENV) with the README's
 # laptop line, `pip install '.[mpich]'` (not editable, no extras: numba comes as a dependency

@@ -305,7 +305,9 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     rank, size = comm.Get_rank(), comm.Get_size()
     directory = os.fspath(directory)
     params = [_host(p) for p in params]  # once: the replica digest, then rank 0's manifest
-    counters = np.array([step, epoch, cursor, time.time_ns(), digest(params)], dtype=np.int64)
+    buffers = [_host(b) for b in buffers]
+    counters = np.array([step, epoch, cursor, time.time_ns(),
+                         digest(params + buffers + _replicated(optimizer))], dtype=np.int64)
     every = np.empty((size, counters.size), dtype=np.int64)
     iallgather(comm, counters, every, "checkpoint counters").wait_or_abort(timeout)
     token = int(every[0, 3])
@@ -340,17 +342,28 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     return Saved(os.path.join(directory, MANIFEST), int(written.sum()), float(elapsed))
 
 
+def _replicated(optimizer: Any) -> list[Any]:
+    """The optimizer state that is the same on every rank (none for a sharded one)."""
+    if not isinstance(optimizer, OptimizerState) or optimizer.sharded:
+        return []
+    state = optimizer.state_dict()
+    arrays = [a for s in state["state"].values() for a in s.values()]
+    return arrays + ([state["param_steps"]] if "param_steps" in state else [])
+
+
 def _check_replicated(digests: np.ndarray) -> None:
-    """Raise ValueError unless every rank holds the same parameters (rank 0's are saved)."""
+    """Raise ValueError unless every rank holds the same parameters, buffers and replicated
+    optimizer state (rank 0's are saved)."""
     if (digests != digests[0]).any():
         groups: dict[int, list[int]] = {}
         for rank, value in enumerate(digests.tolist()):
             groups.setdefault(value, []).append(rank)
         raise ValueError(
-            f"the ranks hold different parameters (the same within each of "
-            f"{list(groups.values())}), and a checkpoint saves rank 0's: inside a Join, a rank "
-            "that has joined skips an update written in the loop after dp.step(); put the "
-            "optimizer in the Join (Join([dp, opt])) so that joined ranks step too")
+            f"the ranks hold different parameters, buffers or optimizer state (the same within "
+            f"each of {list(groups.values())}), and a checkpoint saves rank 0's: inside a Join, "
+            "a rank that has joined skips an update written in the loop after dp.step(); put "
+            "the optimizer in the Join (Join([dp, opt])) or in update= so that joined ranks "
+            "step too")
 
 
 def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequence[Any],

@@ -33,7 +33,7 @@ not C-contiguous is refused (``ValueError``).
 from __future__ import annotations
 
 import math
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeGuard
 
 import numpy as np
 from mpi4py import MPI
@@ -50,6 +50,7 @@ __all__ = ["JoinableComm"]
 
 _END, _ALLREDUCE, _ALLGATHER, _BCAST, _REFUSED = 1, 2, 3, 4, 5
 _CARRIED_ALLREDUCE, _CARRIED_BCAST = 6, 7  # the data travelled in the announcement
+_BLOCK = 8  # another joinable's block of collectives (Join.announce): its index in the count
 _DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
     np.float16, np.float32, np.float64, np.complex64, np.complex128))
@@ -190,11 +191,14 @@ class JoinableComm(GuardedJoinable):
 
     Results on active ranks are exactly what they would be if the joined ranks did not exist.
     Collective over `comm`: every active rank calls :meth:`begin_iteration` once per iteration,
-    then the same operations in the same order.  Beside other joinables (``Join([dp, jc])``)
-    the collectives of an iteration must run in the order of the Join's list, as the hooks of
-    a joined rank do: call :meth:`begin_iteration` and the operations after the other
-    joinables' collectives (after ``dp.step()``, never inside it).  Outside an enabled Join
-    the operations are plain collectives over every rank and nothing is retained.
+    then the same operations in the same order.  After a first joinable that leads the
+    iterations (``Join([dp, jc])``, ``Join([dp, opt, jc])``), its heartbeat starts the
+    iteration and :meth:`begin_iteration` is not needed: operations may run anywhere in the
+    iteration, inside ``dp.step()`` too (SyncBatchNorm's statistics in the forward and backward
+    passes); while ranks have joined, the other joinables announce their blocks through this
+    JoinableComm (:meth:`Join.announce`), so a joined rank follows one ordered stream.
+    Outside an enabled Join the operations are plain collectives over every rank and nothing
+    is retained.
     Operations take NumPy or CuPy arrays, torch CPU tensors and CPU DLPack exporters (without
     copies); a new result is a torch tensor when the input is one.
 
@@ -216,12 +220,15 @@ class JoinableComm(GuardedJoinable):
                 w = jc.bcast(weights, root="highest_active")
     """
 
+    _orders_blocks = True  # its announcements order a Join's other blocks (Join.announce)
+
     def __init__(self, comm: MPI.Intracomm | None = None, timeout: float | None = None) -> None:
         super().__init__(comm, timeout)  # device: of the last array seen (joined ranks: host)
         self._announcement = np.empty(_SLOTS, np.int64)
         self._row_header = np.empty(2, np.int64)  # [row count, row digest] of an allgather
         self._row_headers = np.empty((self.size, 2), np.int64)
         self._owner: Join | None = None  # the enabled Join of the current iteration
+        self._others: list = []  # the owner's other joinables, told to start what is ready
         self._announcing: bool | None = None  # ranks have joined: announce (None: not read yet)
         self._works: list[Work] = []  # i-variants' Works of this iteration (enabled Join only)
         self._active = self.size  # active ranks in the current iteration, once read
@@ -252,10 +259,28 @@ class JoinableComm(GuardedJoinable):
         Collective over ``comm``.  The heartbeat is waited for at the first operation.
         """
         Join.notify_join_context(self)  # the Join owns the heartbeat it returns
-        join = self.join_context
+        self._begin(self.join_context)
+
+    def _begin(self, join: Join | None) -> None:
+        """Start an iteration of this JoinableComm in `join` (``None``: outside any)."""
         self._next_iteration("")
         self._owner = join if join is not None and join.enabled else None
+        self._others = [] if self._owner is None else [
+            j for j in self._owner.joinables if j is not self
+            and type(j).start_ready is not JoinableComm.start_ready]
         self._announcing = None
+
+    def _follows_leader(self, join: Join | None) -> TypeGuard[Join]:
+        """Whether another joinable leads `join` (sends its heartbeat): its iteration is then
+        this JoinableComm's, begun by the first operation or announcement after the heartbeat
+        (``begin_iteration()`` is not needed)."""
+        return join is not None and join.enabled and not join.joined \
+            and join.joinables[0] is not self
+
+    def announce_block(self, index: int) -> None:
+        """Announce joinable `index`'s block of collectives (see :meth:`Join.announce`)."""
+        if self._announces():
+            self._announce(_BLOCK, count=index)
 
     def _next_iteration(self, side: str) -> None:
         """Count an iteration, active or (`side` ``", joined"``) shadowed: errors name it."""
@@ -264,7 +289,10 @@ class JoinableComm(GuardedJoinable):
 
     def end_iteration(self) -> None:
         """Complete this iteration's dropped Works; announce END when ranks have joined."""
-        if self._owner is not None and self.join_context is self._owner:  # not after an error
+        join = self.join_context
+        if self._owner is None and self._follows_leader(join) and join.iterations > 0:
+            self._begin(join)  # an iteration without operations ends with END all the same
+        if self._owner is not None and join is self._owner:  # not after an error
             self._wait_all(self._works)
             if self._announces():
                 self._announce(_END)
@@ -274,6 +302,14 @@ class JoinableComm(GuardedJoinable):
     def _announces(self) -> bool:
         """Whether this operation is announced (ranks have joined); checks begin_iteration()."""
         join = self.join_context
+        if join is not self._owner and self._follows_leader(join):
+            if join.iterations == 0:
+                raise RuntimeError(
+                    f"a JoinableComm operation before the first iteration of "
+                    f"{type(join.joinables[0]).__name__}, the first joinable of the Join: its "
+                    "iterations lead, so run every operation inside or after them (the forward "
+                    "pass of a SyncBatchNorm model inside `with dp.step():`)")
+            self._begin(join)
         if join is not self._owner:
             if join is not None and join.enabled:
                 raise RuntimeError("call jc.begin_iteration() at the start of every iteration "
@@ -283,6 +319,8 @@ class JoinableComm(GuardedJoinable):
             return False
         if join is None:
             return False
+        for other in self._others:  # buckets ready now start before this operation, on
+            other.start_ready()  # every rank: the order never depends on timing
         announcing = self._announcing
         if announcing is None:  # the iteration's first operation: wait for the heartbeat
             self._active = join.active_ranks()
@@ -338,10 +376,11 @@ class JoinableComm(GuardedJoinable):
                 f"rank {self.rank}: the {what} is not one operation that every active rank "
                 "announced: active ranks issued different JoinableComm operations, or the "
                 "collectives of a Join's joinables did not run in the order of its list (a "
-                "JoinableComm operation inside dp.step(), say)")
+                "collective of a joinable of yours between JoinableComm operations, say)")
         data = kind in (_ALLREDUCE, _ALLGATHER, _BCAST, _CARRIED_ALLREDUCE, _CARRIED_BCAST)
         reduces = kind in (_ALLREDUCE, _CARRIED_ALLREDUCE)
-        if not ((data or kind in (_END, _REFUSED)) and (not data or 1 <= code <= len(_DTYPES))
+        if not ((data or kind in (_END, _REFUSED, _BLOCK))
+                and (not data or 1 <= code <= len(_DTYPES))
                 and 0 <= op <= (len(OPS) if reduces else len(KINDS))
                 and (not (reduces or kind == _REFUSED) or op > 0) and -1 <= root < self.size
                 and count >= 0):
@@ -539,8 +578,6 @@ class JoinableComm(GuardedJoinable):
                 f"announcements of its communicator in order, and two JoinableComms on one "
                 f"communicator would interleave them; issue every operation of the loop "
                 f"through one JoinableComm (SyncBatchNorm layers take it as process_group)")
-        for check in getattr(self, "_join_checks", ()):
-            check(join)
         super()._made_into(join)
 
     def __deepcopy__(self, memo: dict) -> "JoinableComm":
@@ -624,6 +661,9 @@ class _FollowAnnouncements(JoinHook):
                 jc._follow_announcement())
             if kind == _END:
                 return
+            if kind == _BLOCK:  # DataParallel's step, an optimizer's: its hook, here
+                jc.join_context._shadow_block(count)  # type: ignore[union-attr]
+                continue
             if kind == _CARRIED_ALLREDUCE:
                 continue
             if kind == _CARRIED_BCAST:

@@ -9,28 +9,35 @@ of its product with the centred input (float64).  Normalisation, running statist
 gradients are then those of ``torch.nn.BatchNorm*`` over the concatenated global batch.
 
 In a Join the group is a :class:`~tensorplay_mpi.JoinableComm` that is in the Join
-(``SyncBatchNorm.convert_sync_batchnorm(model, jc)``; ``jc.begin_iteration()`` at the top of
-each iteration): every reduction is one of its operations, so a rank that has joined shadows it
-and contributes zero samples.  Layers with the same group share the JoinableComm's iteration.
-A rank with an empty batch contributes zero samples too; a global batch of one sample per
-channel raises ``ValueError`` on every active rank, as torch's BatchNorm does for one.
+(``SyncBatchNorm.convert_sync_batchnorm(model, jc)``): every reduction is one of its
+operations, so a rank that has joined shadows it and contributes zero samples.  Layers with the
+same group share the JoinableComm's iteration.  With a DataParallel first in the Join
+(``Join([dp, jc])``, ``Join([dp, opt, jc])``) its heartbeat starts the iteration: run the
+forward pass inside ``with dp.step():``, no ``jc.begin_iteration()`` needed.  While ranks have
+joined, the statistics, DataParallel's step and the optimizers' steps travel in one announced
+stream, in the order the active ranks issue them.  A layer that reduces over a plain
+communicator cannot be shadowed: a Join made with a DataParallel over its parameters raises
+``ValueError`` on every rank, before anything starts, and its forward pass inside a running
+Join on that communicator raises ``RuntimeError``; both name the form above.
 
-DataParallel cannot share a Join with these layers: its main hook shadows the gradient buckets
-first, while an active rank's forward pass issues the statistics before them, so the two would
-be matched out of order.  Making a Join that holds both a DataParallel and the JoinableComm of
-a SyncBatchNorm raises ``RuntimeError`` on every rank, before anything starts.  Average the
-gradients through the same JoinableComm instead (docs: "Evaluation on uneven shards").
+A rank with an empty batch contributes zero samples; a batch empty on every rank gives an empty
+output and zero gradients and leaves the running statistics as they were, as
+``torch.nn.BatchNorm*`` does; a global batch of one sample per channel raises ``ValueError`` on
+every active rank, as torch's BatchNorm does for one.  The statistics are summed in float64, so
+a float32 model matches serial float32 BatchNorm to float32 rounding (about 1e-6 relative).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from .algorithms.join import running_join
 from .joinable_comm import JoinableComm
 from .metrics import _group, _size, _StatesDiffer, reduce_states
 
@@ -58,14 +65,49 @@ def _by_channel(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
 
 
-def _check_no_data_parallel(join: Any) -> None:
-    """Refuse a Join that holds a DataParallel (when it is made, and at a forward pass)."""
-    if join is not None and join.enabled and any(
-            type(j).__name__ == "DataParallel" for j in join.joinables):
-        raise RuntimeError(
-            "SyncBatchNorm cannot run in a Join that holds a DataParallel: a joined rank "
-            "shadows the gradient buckets before the statistics of the forward pass, out of "
-            "order. Use Join([jc]) and average the gradients through jc.allreduce")
+_WORKING_FORM = ("convert the model with the Join's JoinableComm and put it in the Join: "
+                 "`jc = JoinableComm(comm); model = SyncBatchNorm.convert_sync_batchnorm(model, "
+                 "jc)`, then `Join([dp, jc])` (or `Join([dp, opt, jc])`), the forward pass "
+                 "inside `with dp.step():`")
+
+
+class _JoinCheck:
+    """The check that a Join made with a DataParallel over a layer's parameters runs: the
+    layer must reduce through a JoinableComm of that Join.  Pickled as nothing (a model saved
+    whole loads without it) and shared by copies."""
+
+    def __init__(self, layer: "SyncBatchNorm") -> None:
+        self._layer = weakref.ref(layer)
+
+    def __reduce__(self) -> tuple:
+        return type(None), ()
+
+    def __deepcopy__(self, memo: dict) -> "_JoinCheck":
+        return self
+
+    def __call__(self, join: Any) -> None:
+        layer = self._layer()
+        if layer is None or not join.enabled:
+            return
+        group = layer.process_group
+        if isinstance(group, JoinableComm) and any(j is group for j in join.joinables):
+            return
+        where = ("its JoinableComm is not in this Join" if isinstance(group, JoinableComm)
+                 else "it reduces over a plain communicator, which a joined rank cannot shadow")
+        raise ValueError(f"a SyncBatchNorm layer of this model cannot train in this Join: "
+                         f"{where} (its statistics would be matched against the gradient "
+                         f"buckets of a joined rank); {_WORKING_FORM}")
+
+
+def _check_not_in_join(group: MPI.Intracomm) -> None:
+    """A layer over a plain communicator, training inside a running Join on the same ranks:
+    joined ranks would not shadow its reductions; raise before any."""
+    join = running_join()
+    if join is not None and MPI.Comm.Compare(group, join.joinables[0].join_process_group) in (
+            MPI.IDENT, MPI.CONGRUENT):
+        raise RuntimeError(f"SyncBatchNorm reduces over a plain communicator inside a running "
+                           f"Join, where ranks that have joined cannot shadow it; "
+                           f"{_WORKING_FORM}")
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -78,13 +120,13 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         flat = _by_channel(x.detach()).double()
         local = torch.cat([flat.sum((0, 2)), (flat * flat).sum((0, 2))])
         totals, count = _sums(group, local, flat.shape[0] * flat.shape[2], check=True)
-        if count <= 1:
+        if count == 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got "
                              f"{count} over every rank (input size {list(x.shape)} here)")
-        mean = totals[:channels] / count
-        var = (totals[channels:] / count - mean * mean).clamp_(min=0)
+        mean = totals[:channels] / max(count, 1)  # empty everywhere: as serial, an empty
+        var = (totals[channels:] / max(count, 1) - mean * mean).clamp_(min=0)  # output
         invstd = (var + eps).rsqrt()
-        if running_mean is not None and running_var is not None:
+        if running_mean is not None and running_var is not None and count > 0:
             with torch.no_grad():
                 running_mean.mul_(1 - factor).add_((factor * mean).to(running_mean.dtype))
                 running_var.mul_(1 - factor).add_(
@@ -110,7 +152,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         grad_input = None
         if ctx.needs_input_grad[0]:
             totals, _ = _sums(ctx.group, torch.cat([sum_dy, sum_dy_xmu]))
-            mean_dy, mean_dy_xmu = totals[:channels] / ctx.count, totals[channels:] / ctx.count
+            count = max(ctx.count, 1)
+            mean_dy, mean_dy_xmu = totals[:channels] / count, totals[channels:] / count
             scale = invstd if weight is None else invstd * weight.detach().double()
             grad_input = (scale[None, :, None] * (
                 dy - mean_dy[None, :, None]
@@ -143,9 +186,10 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     ------
     ValueError
         In training, when every rank together has one value per channel; for an input of
-        fewer than 2 dimensions.
+        fewer than 2 dimensions; when a Join is made with a DataParallel over the layer's
+        parameters and the layer does not reduce through a JoinableComm of that Join.
     RuntimeError
-        When a Join is made with `process_group` and a DataParallel (see the module's notes).
+        In training, over a plain communicator inside a running Join on the same ranks.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
@@ -154,8 +198,14 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                  device: Any = None, dtype: Any = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.process_group = _group(process_group)
-        if isinstance(self.process_group, JoinableComm):  # checked when a Join is made
-            self.process_group._join_checks = (_check_no_data_parallel,)  # type: ignore[attr-defined]
+        self._tag_parameters()
+
+    def _tag_parameters(self) -> None:
+        """Let a DataParallel over this layer's parameters check the Joins it is made into."""
+        check = _JoinCheck(self)
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p._tensorplay_join_check = check  # type: ignore[attr-defined]
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -173,8 +223,8 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             return torch.nn.functional.batch_norm(
                 input, self.running_mean, self.running_var, self.weight, self.bias,
                 self.running_mean is None, 0.0, self.eps)
-        if isinstance(self.process_group, JoinableComm):
-            _check_no_data_parallel(self.process_group.join_context)
+        if not isinstance(self.process_group, JoinableComm):
+            _check_not_in_join(self.process_group)
         if _size(self.process_group) == 1:
             return torch.nn.functional.batch_norm(
                 input, self.running_mean if tracking else None,
@@ -203,6 +253,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                 with torch.no_grad():
                     converted.weight = module.weight
                     converted.bias = module.bias
+                converted._tag_parameters()
             converted.running_mean = module.running_mean
             converted.running_var = module.running_var
             converted.num_batches_tracked = module.num_batches_tracked

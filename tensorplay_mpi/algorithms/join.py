@@ -16,6 +16,10 @@ all nonblocking; the documentation's "Wire protocol" page has every joinable's s
   at one boundary: an active rank before its next heartbeat (after ``end_iteration``) or, when
   it leaves the block, before its first poll; a joined rank after that round's main hooks (after
   the post hooks when the poll said ``n == 0``); never once the Join has stopped;
+- with a stream (a joinable with ``_orders_blocks``, the JoinableComm), while ranks have joined:
+  the joinables that announce their blocks (``_announces_blocks``) announce each one through it
+  (:meth:`Join.announce`), and a joined rank runs their hooks where the stream names them, in
+  the order the active ranks issued them, instead of in list order;
 - throw mode adds one pair per iteration: active ``Iallreduce([0])`` + wait (raise if > 0),
   joined ``Iallreduce([1])`` + wait, then raise
   :class:`~tensorplay_mpi.errors.EarlyTerminationError`.
@@ -102,6 +106,14 @@ class Joinable(ABC):
     the joinable is bound to; :meth:`end_iteration` may be overridden.
     """
 
+    _orders_blocks = False
+    """True for a joinable whose announcements order every collective of an iteration while
+    ranks have joined (:class:`~tensorplay_mpi.JoinableComm`): at most one per Join."""
+    _announces_blocks = False
+    """True for a joinable whose iteration is one block of collectives that it announces in
+    a Join with an ordering joinable (see :meth:`Join.announce`); its hook then runs where
+    the announcement is, not in list order (DataParallel, the library's optimizers)."""
+
     @abstractmethod
     def __init__(self) -> None:
         super().__init__()
@@ -157,6 +169,13 @@ class Joinable(ABC):
 
         A joinable whose iterations end with a message to joined ranks (JoinableComm sends an
         END announcement) sends it here.  The default does nothing.
+        """
+
+    def start_ready(self) -> None:
+        """Start, now, the collectives this joinable holds ready to start (DataParallel's
+        buckets whose gradients are final): another joinable of the Join is about to issue
+        one, and the order of an iteration's collectives must not depend on timing.  The
+        default does nothing.
         """
 
 
@@ -322,6 +341,12 @@ class Join:
         self._throw_on_early_termination = bool(throw_on_early_termination)
         self._timeout = resolve_timeout(timeout)
         self._join_hooks = [joinable.join_hook(**kwargs) for joinable in self._joinables]
+        orderers = [j for j in self._joinables if j._orders_blocks]
+        self._stream: Joinable | None = orderers[0] if orderers else None
+        self._index = {id(joinable): i for i, joinable in enumerate(self._joinables)}
+        self._round_hooks = [  # a joined rank's round, in list order; announced blocks aside
+            hook for joinable, hook in zip(self._joinables, self._join_hooks)
+            if self._stream is None or not joinable._announces_blocks]
         self._heartbeats: list[Work] = []  # started heartbeats, owned until they complete
         self._count = np.zeros(1, dtype=np.int64)  # the one buffer of every poll/throw pair
         self._guard: Guard | None = None
@@ -400,6 +425,33 @@ class Join:
     def joined(self) -> bool:
         """Whether this rank has run out of inputs and is shadowing (or finishing)."""
         return self._joining
+
+    @property
+    def stream(self) -> Joinable | None:
+        """The joinable whose announcements order the iteration's collectives while ranks have
+        joined (the Join's :class:`~tensorplay_mpi.JoinableComm`), else ``None``."""
+        return self._stream
+
+    def announce(self, joinable: Joinable) -> None:
+        """Announce that `joinable`'s block of collectives starts now (an active rank).
+
+        In a Join with a :attr:`stream`, while ranks have joined, a joined rank runs the main
+        hook of a joinable with ``_announces_blocks`` where its announcement is in the stream,
+        between the other operations the active ranks issue (a SyncBatchNorm statistic in the
+        forward pass, a loss logged after the step), instead of in list order.  Without a
+        stream, when every rank is active, or outside the block, it does nothing.
+        Collective over the stream's communicator while ranks have joined.
+        """
+        if self._stream is not None and self._enable and not self._joining:
+            self._stream.announce_block(self._index[id(joinable)])  # type: ignore[attr-defined]
+
+    def _shadow_block(self, index: int) -> None:
+        """A joined rank's side of an announced block: the main hook of joinable `index`."""
+        if not 0 <= index < len(self._joinables) or self._joinables[index] is self._stream \
+                or not self._joinables[index]._announces_blocks:
+            raise RuntimeError(f"rank {self._rank}: an announced block names joinable {index}, "
+                               "which announces none in this Join")
+        self._join_hooks[index].main_hook()
 
     def active_ranks(self) -> int:
         """Ranks active in the current iteration: the latest heartbeat's count.
@@ -497,7 +549,9 @@ class Join:
         """Tell the Join that `joinable` starts an iteration: this rank still has inputs.
 
         Only the first joinable of an enabled, entered Join sends the heartbeat; every other
-        call returns ``None``, as does a call from a hook while this rank is joined.
+        call returns ``None``, as does a call from a hook while this rank is joined.  A later
+        joinable that announces blocks (the library's optimizers) announces its block there
+        when the Join has a :attr:`stream` (:meth:`announce`).
 
         Collective over the joinable's communicator: every active rank must call it once per
         iteration, before the iteration's other collectives.
@@ -522,9 +576,11 @@ class Join:
         if join is None:
             _check_not_forgotten(joinable)
             return None
-        if join._joinables[0] is not joinable:
-            return None
         if not join._enable or join._joining:
+            return None
+        if join._joinables[0] is not joinable:
+            if joinable._announces_blocks:
+                join.announce(joinable)
             return None
         return join._heartbeat()
 
@@ -618,7 +674,7 @@ class Join:
             if self._throw_on_early_termination:
                 self._sum_over_ranks(1, "throw notice")
                 raise EarlyTerminationError(f"Rank {self._rank} exhausted all inputs.")
-            for hook in self._join_hooks:
+            for hook in self._round_hooks:
                 hook.main_hook()
             rounds += 1
             self._rounds = rounds

@@ -5,17 +5,23 @@ Run (install the ``torch`` and ``examples`` extras)::
     mpiexec -n 4 python -m mpi4py -m tensorplay_mpi.examples.train_torch --epochs 30
 
 The same data, shards, flags and output lines as :mod:`tensorplay_mpi.examples.train`, and the
-same initial weights, but the MLP is a ``torch.nn.Sequential`` trained by autograd with
+same initial weights for the linear layers, but the MLP is a ``torch.nn.Sequential`` with a
+``BatchNorm1d`` after its hidden layer (``--norm``: ``batch``, ``sync`` for
+:class:`~tensorplay_mpi.SyncBatchNorm`, or ``none``), trained by autograd with
 ``torch.optim.AdamW``, a ``OneCycleLR`` schedule and ``clip_grad_norm_``: the recommended torch
-loop, ``model.zero_grad()`` and ``with dp.step(): loss.backward()`` inside ``Join([dp])``, the
-update (clip, ``opt.step()``, ``sched.step()``) given to ``DataParallel(..., update=...)`` so
-that a rank that has run out of batches runs it too.  DataParallel binds each ``p.grad`` to its
-bucket, so ``backward()`` writes the gradients where the allreduce reads them.
+loop, ``model.zero_grad()`` and ``with dp.step(): loss.backward()`` inside ``Join([dp])``
+(``Join([dp, jc])`` with SyncBatchNorm, whose statistics go through ``jc``), the update (clip,
+``opt.step()``, ``sched.step()``) given to ``DataParallel(..., update=...)`` so that a rank that
+has run out of batches runs it too.  DataParallel binds each ``p.grad`` to its bucket, so
+``backward()`` writes the gradients where the allreduce reads them, and keeps the BatchNorm
+buffers identical on every rank.
 
 ``--checkpoint DIR`` stops and resumes exactly as in :mod:`tensorplay_mpi.examples.train`: a
-signal stops every rank at one step, the job saves the parameters, the optimizer's and the
-scheduler's state (:mod:`tensorplay_mpi.torch_state`) and exits 75; the same command resumes
-and ends with the digest of a run never stopped.  CPU only (``--device cuda`` exits with a
+signal stops every rank at one step, the job saves the parameters, the buffers, the optimizer's
+and the scheduler's state (:mod:`tensorplay_mpi.torch_state`) and exits 75; the same command
+resumes and ends with the digest of a run never stopped (parameters and buffers).
+``--save-every STEPS`` also saves every STEPS steps through the Join's ``on_save``, so a run
+killed with SIGKILL resumes from the last one.  CPU only (``--device cuda`` exits with a
 message: torch GPU tensors are not supported, use ``examples.train --device cuda``).
 """
 
@@ -31,7 +37,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import DataParallel, Join, checkpoint, stop_on_signals, torch_state
+from tensorplay_mpi import (DataParallel, Join, JoinableComm, checkpoint, request_save,
+                            stop_on_signals, torch_state)
 from tensorplay_mpi.data import batches, shard, shard_sizes
 from tensorplay_mpi.examples.evaluation import validate
 
@@ -46,15 +53,18 @@ LR = 0.01  # AdamW's default learning rate here (the NumPy demo's --lr is plain 
 MAX_NORM = 1.0  # clip_grad_norm_'s
 
 
-def make_model(n_in: int, hidden: int, n_out: int, seed: int):
-    """The demo's MLP as torch modules, with the NumPy demo's initial weights."""
+def make_model(n_in: int, hidden: int, n_out: int, seed: int, norm: str = "none"):
+    """The demo's MLP as torch modules, with the NumPy demo's initial weights; with `norm`
+    (``batch`` or ``sync``) a BatchNorm1d after the hidden layer (``sync``: converted to
+    SyncBatchNorm by the caller, with its JoinableComm)."""
     import torch
 
-    model = torch.nn.Sequential(torch.nn.Linear(n_in, hidden), torch.nn.Tanh(),
-                                torch.nn.Linear(hidden, n_out))
+    first, last = torch.nn.Linear(n_in, hidden), torch.nn.Linear(hidden, n_out)
+    layers = [first] + ([torch.nn.BatchNorm1d(hidden)] if norm != "none" else [])
+    model = torch.nn.Sequential(*layers, torch.nn.Tanh(), last)
     w1, b1, w2, b2 = init_mlp(n_in, hidden, n_out, seed)
     with torch.no_grad():
-        for p, value in zip(model.parameters(), (w1.T, b1, w2.T, b2)):
+        for p, value in zip([*first.parameters(), *last.parameters()], (w1.T, b1, w2.T, b2)):
             p.copy_(torch.from_numpy(np.ascontiguousarray(value)))
     return model
 
@@ -84,10 +94,12 @@ def loss_of(model: Any, x: Any, y: Any) -> tuple[Any, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     parser.set_defaults(lr=LR)
+    parser.add_argument("--norm", choices=["batch", "sync", "none"], default="batch",
+                        help="the hidden layer's normalisation: BatchNorm1d (batch), "
+                             "SyncBatchNorm through the Join's JoinableComm (sync), or none")
     args = parser.parse_args(argv)
-    if args.save_every:
-        parser.error("--save-every: periodic saves are the NumPy demo's (examples.train); "
-                     "this demo saves when it is stopped (--checkpoint)")
+    if args.save_every < 0 or (args.save_every and not args.checkpoint):
+        parser.error("--save-every takes a number of steps >= 0 and needs --checkpoint")
     if args.device != "cpu":
         raise SystemExit(NO_CUDA)
     try:
@@ -110,7 +122,13 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         raise SystemExit(MISSING_SKLEARN) from None
     mine = shard(len(y_train), comm.rank, comm.size, args.skew)
     per_epoch = math.ceil(max(shard_sizes(len(y_train), comm.size, args.skew)) / args.batch_size)
-    model = make_model(x_train.shape[1], args.hidden, 10, args.seed)
+    model = make_model(x_train.shape[1], args.hidden, 10, args.seed, args.norm)
+    joinables: list[Any] = []
+    if args.norm == "sync":  # the statistics are operations of a JoinableComm in the Join
+        from tensorplay_mpi.sync_batchnorm import SyncBatchNorm
+
+        joinables.append(JoinableComm(comm))
+        model = SyncBatchNorm.convert_sync_batchnorm(model, joinables[0])
     opt, sched, update = make_update(model, args.lr, args.epochs * per_epoch)
     dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(), update=update)
     header(comm, args, len(y_train), len(y_test))
@@ -136,10 +154,18 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
 
     start = time.perf_counter()
     for epoch in range(first, args.epochs + 1):
+        model.train()  # BatchNorm: batch statistics, running statistics updated
         rng = np.random.default_rng([args.seed, epoch, comm.rank])  # order: f(seed, epoch)
         done = skip if epoch == first else 0  # batches of this epoch consumed: the cursor
         totals = carried.copy() if epoch == first else np.zeros(3)  # loss, correct, samples
-        with Join([dp], divide_by_initial_world_size=args.divide == "world") as join:
+        step0 = (epoch - 1) * per_epoch
+
+        def periodic_save(epoch: int = epoch, step0: int = step0) -> None:  # the Join's on_save
+            save(step0 + join.iterations, epoch, done,  # noqa: B023  (this epoch's)
+                 comm.allreduce(totals))  # noqa: B023
+
+        with Join([dp, *joinables], divide_by_initial_world_size=args.divide == "world",
+                  on_save=periodic_save if args.save_every else None) as join:
             for idx in batches(mine, args.batch_size, rng)[done:]:
                 if join.stopped:  # every rank leaves at this same iteration
                     break
@@ -150,12 +176,15 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                     loss.backward()
                 totals += (loss.item() * len(idx), int((logits.argmax(1) == y).sum()), len(idx))
                 done += 1
+                if args.save_every and (step0 + done) % args.save_every == 0:
+                    request_save(f"every {args.save_every} steps")  # every active rank asks
         totals = comm.allreduce(totals)  # outside the Join: plain MPI is fine
         if join.stopped:
             step = (epoch - 1) * per_epoch + comm.allreduce(done, op=MPI.MAX)
             saved = save(step, epoch, done, totals)
             stopped(comm, join.stop_reason, epoch, step, saved)
             return STOPPED
+        model.eval()  # BatchNorm: the running statistics, no collective
         with torch.no_grad():
             validation = validate(comm, lambda x: model(torch.from_numpy(x)), x_test, y_test,
                                   args.batch_size, args.skew, torch_metrics=True)
@@ -164,11 +193,12 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         save(args.epochs * per_epoch, args.epochs + 1, 0, np.zeros(3))
     elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
+    model.eval()
     with torch.no_grad():
         predicted = model(torch.from_numpy(x_test)).argmax(1).numpy()
     accuracy = float((predicted == y_test).mean())
-    params = [p.detach().numpy() for p in model.parameters()]
-    return report(comm, args, params, accuracy, elapsed, len(y_test))
+    state = [t.detach().numpy() for t in model.state_dict().values()]  # the digest: buffers too
+    return report(comm, args, state, accuracy, elapsed, len(y_test))
 
 
 if __name__ == "__main__":

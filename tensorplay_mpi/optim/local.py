@@ -83,6 +83,8 @@ class Optimizer(Joinable, OptimizerState):
 
     state_names: tuple[str, ...] = ()
 
+    _announces_blocks = True  # its step: one announced block (no collective)
+
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  comm: MPI.Intracomm | None = None, **defaults: Any) -> None:
         super().__init__()

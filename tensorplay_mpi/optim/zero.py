@@ -82,6 +82,8 @@ class ZeroRedundancyOptimizer(GuardedJoinable, OptimizerState):
     Hyperparameters change between steps through :attr:`param_groups`, the same on every rank.
     """
 
+    _announces_blocks = True  # its step: one announced block (shard update, parameter sync)
+
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  optimizer_class: type[Optimizer] = Adam, comm: MPI.Intracomm | None = None,
                  timeout: float | None = None, **defaults: Any) -> None:

@@ -4,10 +4,9 @@ Wire schedule of one active step (a joined rank's main hook shadows exactly this
 
 1. the heartbeat (Join's, when ``dp`` is the first joinable), started when the step starts.  The
    step waits for it, which gives ``n``, the number of active ranks, only where ``n`` is first
-   needed: before the buffer broadcast when there are buffers (at the step's start), else before
-   the first bucket (in ``mark_ready`` or at the step's end).  With even inputs the heartbeat
-   thus completes in the shadow of the backward pass, and the step has no synchronisation point
-   that plain data parallelism does not have;
+   needed: before the first bucket (in ``mark_ready`` or at the step's end).  With even inputs
+   the heartbeat thus completes in the shadow of the backward pass, and the step has no
+   synchronisation point that plain data parallelism does not have;
 2. only when ``n < size``, the step control, two allreduces started together:
    ``Iallreduce(int64[4], SUM)`` of ``[active, syncs, votes for dividing by the world size,
    votes for dividing by the active ranks]`` (active ranks send ``[1, syncs, 0, 0]``, joined
@@ -15,8 +14,15 @@ Wire schedule of one active step (a joined rank's main hook shadows exactly this
    ``Iallreduce(int64[1], MAX)`` of the rank (joined ranks send -1): the count, the sync flag,
    the divisor and the highest active rank, the root of the buffer broadcast.  Its size does not
    grow with the number of ranks;
-3. when there are buffers: one ``Ibcast`` per buffer from the highest active rank;
-4. when the step synchronises: one ``Iallreduce(IN_PLACE, SUM)`` per bucket, in bucket order.
+3. when the step synchronises: one ``Iallreduce(IN_PLACE, SUM)`` per bucket, in bucket order;
+4. when there are buffers, at the step's end: one ``Ibcast`` per buffer from the highest active
+   rank, so that every rank holds the same buffers wherever a user can look (a save included).
+
+In a Join with a stream (a JoinableComm: ``Join([dp, jc])``), while ranks have joined, 2-4 run
+together at the step's end, after an announcement of the block (``Join.announce``), so that a
+joined rank shadows them where the active ranks issue them among the JoinableComm's operations
+(SyncBatchNorm's statistics); with every rank active, the buckets ready when another joinable
+issues a collective start before it (:meth:`DataParallel.start_ready`).
 
 With even inputs a step therefore costs the heartbeat, the bucket allreduces and nothing else;
 both divisors are then the world size.  A step that fails on every rank (the same bug
@@ -111,14 +117,15 @@ class _Step:
     allreduces in bucket order, so ``len(works)`` is the cursor of the next bucket to start.
     """
 
-    __slots__ = ("number", "heartbeat", "resolved", "syncs", "root", "divisor", "ready",
-                 "unready", "works", "micro_batches", "seen", "all_have", "all_used")
+    __slots__ = ("number", "heartbeat", "resolved", "deferred", "syncs", "root", "divisor",
+                 "ready", "unready", "works", "micro_batches", "seen", "all_have", "all_used")
 
     def __init__(self, number: int, heartbeat: Work | None, syncs: bool,
                  params: int, bucket_sizes: list[int], micro_batches: int = 1) -> None:
         self.number = number
         self.heartbeat = heartbeat  # waited for at most once, where its count is first needed
         self.resolved = False
+        self.deferred = False  # ranks have joined in a Join with a stream: one block at the end
         self.syncs = syncs
         self.root = -1  # the highest active rank, once resolved
         self.divisor = 0  # what a summed bucket is divided by, once resolved
@@ -251,6 +258,8 @@ class DataParallel(GuardedJoinable):
                     loss_fn(model(x), y).backward()
     """
 
+    _announces_blocks = True  # its step: one announced block
+
     def __init__(
         self,
         params: Sequence[np.ndarray],
@@ -290,6 +299,8 @@ class DataParallel(GuardedJoinable):
         self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20,
                                                              frozen)
         self.grads = GradientViews([like(p, v) for p, v in zip(given, views)], self)
+        checks = (getattr(p, "_tensorplay_join_check", None) for p in given)
+        self._join_checks = list({id(c): c for c in checks if c is not None}.values())
         self._place_check = PlaceCheck()
         self._broadcast(self.params + self.buffers, broadcast_from, "initial broadcast")
         self._overlap = overlap
@@ -425,12 +436,11 @@ class DataParallel(GuardedJoinable):
                 self._mark_manual(unused)
             if self._torch:
                 self._torch.point_grads_at_buckets(range(len(self.params)))
-            if self.buffers:
-                self._resolve(step)  # the forward pass reads the broadcast buffers
             yield self
             if self._torch:  # what no hook saw: model.zero_grad() inside the step, say
                 self._torch.point_grads_at_buckets(np.flatnonzero(~step.ready).tolist())
             self._finish_buckets(step)
+            self._broadcast_buffers(step)
             self._after_step(step)
 
     def _mark_manual(self, unused: np.ndarray | None) -> None:
@@ -505,37 +515,54 @@ class DataParallel(GuardedJoinable):
         if step.syncs:
             self._start_ready_buckets(step)
 
-    def _start_ready_buckets(self, step: _Step) -> None:
+    def _start_ready_buckets(self, step: _Step, one_at_a_time: bool = True) -> None:
         """Start the next buckets whose gradients are all ready, one in flight at a time.
 
         MPI progresses a nonblocking collective only inside MPI calls: this test of the
         bucket in flight, made at every mark_ready(), is where the overlap happens.  One
         bucket at a time: concurrent large allreduces run slower than back-to-back ones
-        (``make bench``).
+        (``make bench``).  Not `one_at_a_time`: every ready bucket, now (:meth:`start_ready`).
         """
         works = step.works
         while len(works) < len(self._buckets) and step.unready[len(works)] == 0:
-            if works and not works[-1].is_completed():
+            if one_at_a_time and works and not works[-1].is_completed():
                 return
             self._resolve(step)  # the first bucket needs the heartbeat's count (and agreed syncs)
+            if step.deferred:
+                return
             self._start_bucket(step, len(works))
+
+    def start_ready(self) -> None:
+        """Before another joinable's collective (a SyncBatchNorm statistic in the backward
+        pass): start every bucket that is ready, so that which buckets precede it is the same
+        on every rank, whatever the timing."""
+        step = self._step
+        if step is not None and step.syncs:
+            self._start_ready_buckets(step, one_at_a_time=False)
 
     # -- one step, on the active and the joined side ------------------------------------------
 
     def _resolve(self, step: _Step) -> None:
-        """Learn who is active in `step` where it is first needed (module docstring, 1-3).
+        """Learn who is active in `step` where it is first needed (module docstring, 1-2).
 
-        Waits for the heartbeat; when a rank has joined, exchanges the step control; then
-        broadcasts the buffers from the highest active rank.  Once per step.
+        Waits for the heartbeat; when a rank has joined, exchanges the step control, or, in a
+        Join with a stream (a JoinableComm), defers it to the step's end, where the step's
+        collectives are announced as one block.  Once per step.
         """
         if step.resolved:
             return
         step.resolved = True
         active = self.size if step.heartbeat is None else self._wait(step.heartbeat)
-        if active < self.size:
-            self._exchange_control(step, None)
-        else:
+        if active == self.size:
             step.root, step.divisor = self.size - 1, self.size
+        elif self.join_context is not None and self.join_context.stream is not None:
+            step.deferred = True
+        else:
+            self._exchange_control(step, None)
+
+    def _broadcast_buffers(self, step: _Step) -> None:
+        """The buffers of the step's highest active rank, on every rank, at the step's end:
+        every rank, joined or not, then holds what a save must write (module docstring, 3)."""
         if self.buffers:
             self._broadcast(self.buffers, step.root, "buffer broadcast")
 
@@ -596,6 +623,10 @@ class DataParallel(GuardedJoinable):
         """Start the buckets not started yet (a joined rank: all, sending zeros), then average;
         read which parameters some rank used."""
         self._resolve(step)
+        if step.deferred:  # the step's collectives as one announced block
+            self.join_context.announce(self)  # type: ignore[union-attr]
+            step.deferred = False
+            self._exchange_control(step, None)
         if not step.syncs:
             return
         step.all_have = not shadow and bool(self._has.all())
@@ -646,8 +677,8 @@ class DataParallel(GuardedJoinable):
         step.resolved = True
         with self._settling_failures(step):
             self._exchange_control(step, divide_by_world)
-            self._broadcast(self.buffers, step.root, "buffer broadcast")
             self._finish_buckets(step, shadow=True)
+            self._broadcast_buffers(step)
             self._after_step(step, shadow=True)
 
     def _final_broadcast(self, is_last_joiner: bool) -> None:
@@ -672,6 +703,14 @@ class DataParallel(GuardedJoinable):
         if self._update is None:  # with update=, the optimizer steps there, not in the Join
             self._place_check(self.join_context, self.grads.stateful_optimizer, self.grads,
                               must_join=True)
+
+    def _made_into(self, join: Join) -> None:
+        """`join` was made with this DataParallel: the layers over its parameters that must
+        reduce through the Join's stream (SyncBatchNorm) check it, on every rank, before
+        anything starts."""
+        for check in self._join_checks:
+            check(join)
+        super()._made_into(join)
 
     def replicated_arrays(self) -> list[Any]:
         """The parameters and buffers: the same on every rank."""

@@ -195,8 +195,8 @@ def test_a_periodic_save_refuses_stale_parameters_of_a_joined_rank(comm, tmp_pat
     params = [np.zeros(3)]
     dp = DataParallel(params, comm=comm)
     inputs = [1] + [4] * (comm.size - 1)  # rank 0 joins after one iteration
-    with raises_everywhere(ValueError, match=r"different parameters .* put the optimizer in the "
-                                             r"Join"):
+    with raises_everywhere(ValueError, match=r"different parameters, buffers or optimizer "
+                                             r"state .* put the optimizer in the Join"):
         with Join([dp], on_save=lambda: checkpoint.save(directory, params, comm=comm)):
             for i in range(inputs[comm.rank]):
                 with dp.step():

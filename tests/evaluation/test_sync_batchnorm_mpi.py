@@ -10,7 +10,7 @@ ran every step after the Join makes every rank equal to the reference.
 import numpy as np
 import pytest
 
-from tensorplay_mpi import DataParallel, Join, JoinableComm
+from tensorplay_mpi import Join, JoinableComm
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 torch = pytest.importorskip("torch")
@@ -133,25 +133,6 @@ def test_different_channel_counts_raise_on_every_rank(comm, affine):
     layer = SyncBatchNorm(channels, affine=affine, process_group=comm).double()
     with raises_everywhere(ValueError, match="different numbers of channels"):
         layer(torch.ones(4, channels, dtype=torch.float64))
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("pattern", ["rank0_zero", "even"])
-def test_a_join_with_data_parallel_is_refused_on_every_rank_before_anything_starts(comm,
-                                                                                   pattern):
-    jc = JoinableComm(comm)
-    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
-    dp = DataParallel(model.parameters(), comm=comm)
-    with raises_everywhere(RuntimeError, match="DataParallel"):
-        with Join([dp, jc]):
-            for t in range(inputs_of(pattern, comm.size)[comm.rank]):
-                with dp.step():
-                    jc.begin_iteration()
-                    sse(model, *batch(comm.rank, t, 3)).backward()
-    with Join([jc]):  # nothing started, nothing pending: the communicator works on
-        for t in range(1 + comm.rank):
-            jc.begin_iteration()
-            sse(model, *batch(comm.rank, t, 3)).backward()
 
 
 def test_convert_shares_parameters_and_state_and_keeps_the_rest():

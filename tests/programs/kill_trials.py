@@ -12,6 +12,11 @@ ended with the reference digest), ``fresh`` (killed before the first save: the r
 over, reference digest), ``finished`` (the run completed before the kill), ``WRONG`` (another
 digest, a failed rerun or a hang).
 
+``--demo torch --norm batch`` (or ``sync``) runs the trials on the torch demo
+(``examples.train_torch``) with a BatchNorm (or SyncBatchNorm) layer, whose digest covers the
+running statistics: a periodic save while a rank has joined must hold the active ranks'
+buffers.  It has no resize trials (the torch demo resumes at the same world size).
+
 Each ``--resize N:M`` trial stops the demo at N ranks with SIGUSR1 while it trains and resumes
 it at M ranks: the rerun must complete and, when the stop came mid-epoch, print that the
 resumed epoch used every sample exactly once.  Prints ``RESULT ...`` lines; exits 1 on any
@@ -26,11 +31,12 @@ import signal
 import sys
 import time
 
-from stop_launches import digest_of, finish, launch, rank_processes
+from stop_launches import DEMO, digest_of, finish, launch, rank_processes
 
 from tensorplay_mpi.examples.train import STOPPED
 
 SAVE_EVERY = 5
+TORCH_DEMO = ["-m", "tensorplay_mpi.examples.train_torch", *DEMO[2:]]
 
 
 def training_started(job):
@@ -63,13 +69,13 @@ def kill_all(job, rng, wall, training):
     return status, head + out
 
 
-def kill_trial(nprocs, directory, reference, wall, training, rng, report):
+def kill_trial(nprocs, directory, reference, wall, training, rng, report, demo):
     args = ["--checkpoint", directory, "--save-every", str(SAVE_EVERY)]
-    status, out = kill_all(launch(nprocs, args), rng, wall, training)
+    status, out = kill_all(launch(nprocs, args, demo), rng, wall, training)
     if status == 0:
         verdict = "finished" if digest_of(out) == reference else "WRONG"
     else:
-        rerun, again = finish(launch(nprocs, args))
+        rerun, again = finish(launch(nprocs, args, demo))
         ok = rerun == 0 and digest_of(again) == reference
         verdict = ("resumed" if "resumed from" in again else "fresh") if ok else "WRONG"
         out += again
@@ -110,11 +116,17 @@ def main():
     parser.add_argument("--resize-trials", type=int, default=2)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--demo", choices=["numpy", "torch"], default="numpy")
+    parser.add_argument("--norm", choices=["batch", "sync", "none"], default="batch",
+                        help="with --demo torch: the model's normalisation layer")
     options = parser.parse_args()
+    demo = DEMO if options.demo == "numpy" else [*TORCH_DEMO, "--norm", options.norm]
+    if options.demo == "torch":
+        options.resize = []
     wrong, references = 0, {}
     for nprocs in sorted(set(options.ranks) | {int(p.split(":")[0]) for p in options.resize}):
         start = time.perf_counter()
-        status, out = finish(launch(nprocs, []))
+        status, out = finish(launch(nprocs, [], demo))
         if status != 0 or digest_of(out) is None:
             print(f"the reference run failed at {nprocs} rank(s) (exit {status}):\n{out}")
             return 1
@@ -126,8 +138,10 @@ def main():
         report = dict.fromkeys(("resumed", "fresh", "finished", "WRONG"), 0)
         for k in range(options.trials):
             kill_trial(nprocs, os.path.join(options.dir, f"kill-{nprocs}-{k}"), reference, wall,
-                       training, rng, report)
-        print(f"RESULT kill-9 ranks={nprocs} " + " ".join(f"{k}={v}" for k, v in report.items())
+                       training, rng, report, demo)
+        name = "numpy demo" if demo is DEMO else f"torch demo --norm {options.norm}"
+        print(f"RESULT kill-9 {name} ranks={nprocs} "
+              + " ".join(f"{k}={v}" for k, v in report.items())
               + f" (save every {SAVE_EVERY} steps; reference run {wall:.1f} s)", flush=True)
         wrong += report["WRONG"]
     for pair in options.resize:

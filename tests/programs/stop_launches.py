@@ -33,9 +33,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 TIMEOUT = 90
 
 
-def launch(nprocs, args):
+def launch(nprocs, args, demo=DEMO):
     return subprocess.Popen([mpiexec_path(), "-n", str(nprocs), sys.executable, "-m", "mpi4py",
-                             *DEMO, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             *demo, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
 

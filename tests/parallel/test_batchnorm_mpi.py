@@ -1,0 +1,322 @@
+"""Models with BatchNorm under DataParallel and a Join, against serial torch.
+
+Two references, neither using the library:
+
+- SyncBatchNorm: every global step replays serially on one ``torch.nn.BatchNorm1d`` model fed
+  the concatenation of the batches of the ranks active at that step (each micro-batch its own
+  concatenation); the loss is the sum of squared errors, the gradient is divided by the world
+  size, then the same update (torch AdamW with clipping and a scheduler, or torch Adam against
+  the library's Adam).
+- Plain BatchNorm with ``buffers=model.buffers()``: each active rank's gradient comes from its
+  own batch (its own batch statistics) on a copy of the current state; the running statistics
+  after a step are those of the highest active rank's batch (DataParallel broadcasts them from
+  there at the step's end); the summed gradients divided by the world size step torch SGD.
+
+Replicas are compared bitwise across ranks; references to float64 rounding.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from tensorplay_mpi import (Adam, DataParallel, Join, JoinableComm, ZeroRedundancyOptimizer,
+                            checkpoint, request_save, request_stop)
+from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
+
+torch = pytest.importorskip("torch")
+from tensorplay_mpi.sync_batchnorm import SyncBatchNorm  # noqa: E402  (needs torch)
+
+PATTERNS = ["three_plus_rank", "rank0_zero", "last_zero", "even"]
+TOL = 1e-9
+
+
+class Net(torch.nn.Module):
+    """Linear - BatchNorm1d - tanh - Linear, float64."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(6, 5, bias=False)  # a bias before BatchNorm: no gradient
+        self.norm = torch.nn.BatchNorm1d(5)
+        self.head = torch.nn.Linear(5, 3)
+        self.double()
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.norm(self.first(x))))
+
+
+def sizes(inputs, t, m=0):
+    """{rank: size of its micro-batch `m` at step `t`} over the ranks active at `t`: 0 to 3
+    samples, at least 2 in all (BatchNorm needs 2 values per channel)."""
+    row = {r: [0, 1, 3, 2][(r + t + m) % 4] for r in range(len(inputs)) if inputs[r] > t}
+    if sum(row.values()) <= 1:
+        row[max(row)] = 3
+    return row
+
+
+def batch(rank, t, m=0, n=0):
+    g = torch.Generator().manual_seed(10_000 * rank + 100 * t + m)
+    return (torch.randn(n, 6, generator=g, dtype=torch.float64) * 2 + 1,
+            torch.randn(n, 3, generator=g, dtype=torch.float64))
+
+
+def sse(model, x, y):
+    return ((model(x) - y) ** 2).sum()
+
+
+def global_batch(inputs, t, m):
+    """The concatenated micro-batch `m` of the ranks active at `t` (at least 2 samples)."""
+    xs, ys = zip(*(batch(r, t, m, n) for r, n in sizes(inputs, t, m).items()))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def torch_update(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        sched.step()
+    return update, opt
+
+
+def serial_sync_batchnorm(inputs, micro, make_update):
+    model = Net()
+    update, opt = make_update(model)
+    losses = []
+    for t in range(max(inputs)):
+        opt.zero_grad()
+        total = 0.0
+        for m in range(micro):
+            loss = sse(model, *global_batch(inputs, t, m))
+            loss.backward()
+            total += float(loss)
+        losses.append(total)
+        for p in model.parameters():
+            p.grad /= len(inputs)
+        update()
+    return model, opt, losses
+
+
+def state(model, opt):
+    """Every array of the model (parameters, running statistics) and the optimizer's moments
+    (torch's or the library's state dict: the same layout)."""
+    arrays = [v.detach().numpy().copy() for v in model.state_dict().values()]
+    for per_param in ({} if opt is None else opt.state_dict()["state"]).values():
+        arrays += [np.asarray(per_param[k]).copy() for k in ("exp_avg", "exp_avg_sq")]
+    return arrays
+
+
+def differences(got, expected):
+    return [i for i, (g, e) in enumerate(zip(got, expected))
+            if g.shape != e.shape or not np.allclose(g, e, rtol=TOL, atol=TOL)]
+
+
+def same_everywhere(arrays, comm):
+    every = comm.allgather([np.ascontiguousarray(a).tobytes() for a in arrays])
+    return all(e == every[0] for e in every)
+
+
+class LibraryAdam:
+    """The library's Adam, in the Join, beside torch Adam as the serial reference."""
+
+    @staticmethod
+    def serial(model):
+        opt = torch.optim.Adam(model.parameters(), lr=0.02)
+        return opt.step, opt
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("variant", ["update", "library", "zero", "micro"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_sync_batchnorm_trains_with_data_parallel_in_one_join_as_serial(comm, pattern, variant):
+    """SyncBatchNorm's statistics (forward and backward), DataParallel's buckets, an optimizer
+    step and a loss logged through the JoinableComm share one Join on uneven inputs."""
+    inputs = inputs_of(pattern, comm.size)
+    micro = 2 if variant == "micro" else 1
+    jc = JoinableComm(comm)
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
+    library = variant in ("library", "zero")
+    if library:
+        dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
+        opt = (Adam(list(model.parameters()), dp.grads, lr=0.02) if variant == "library" else
+               ZeroRedundancyOptimizer(list(model.parameters()), dp.grads, Adam, lr=0.02))
+        joinables = [dp, opt, jc]
+    else:
+        update, opt = torch_update(model)
+        dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(), update=update)
+        joinables = [dp, jc]
+    logged = []
+    with Join(joinables):
+        for t in range(inputs[comm.rank]):
+            model.zero_grad()
+            with dp.step(micro_batches=micro):
+                total = 0.0
+                for m in range(micro):
+                    loss = sse(model, *batch(comm.rank, t, m, sizes(inputs, t, m)[comm.rank]))
+                    total += float(jc.allreduce(loss.detach().reshape(1)))  # logged, mid-step
+                    loss.backward()
+            if library:
+                opt.step()
+            logged.append(total)
+    reference, ref_opt, losses = serial_sync_batchnorm(
+        inputs, micro, LibraryAdam.serial if library else torch_update)
+    if variant == "zero":  # the state is sharded: the model's arrays only
+        mine, expected = state(model, None), state(reference, None)
+    else:
+        mine, expected = state(model, opt), state(reference, ref_opt)
+    assert_all(not differences(mine, expected),
+               f"state entries off the serial replay: {differences(mine, expected)}")
+    assert_all(same_everywhere(mine, comm), "the ranks hold different model or optimizer state")
+    assert_all(np.allclose(logged, losses[:len(logged)], rtol=TOL, atol=TOL),
+               f"logged losses {logged} against {losses}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("group", ["none", "the_comm"])
+def test_the_natural_form_names_the_working_one_on_every_rank_before_anything(comm, group):
+    """convert_sync_batchnorm(model) as torch users write it, then Join([dp, opt]): a clear
+    error on every rank when the Join is made, never a cross-matched collective."""
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), None if group == "none" else comm)
+    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
+    with raises_everywhere(ValueError, match=r"JoinableComm.*convert_sync_batchnorm\(model, jc\)"):
+        Join([dp])
+    total = JoinableComm(comm).allreduce(np.ones(1))  # nothing started, nothing pending
+    assert_all(total[0] == comm.size)
+
+
+@pytest.mark.mpi
+def test_a_layer_over_a_plain_communicator_refuses_to_train_inside_a_join(comm):
+    layer = SyncBatchNorm(3, process_group=comm).double()
+    jc = JoinableComm(comm)
+    with raises_everywhere(RuntimeError, match="plain communicator inside a running Join"):
+        with Join([jc]):
+            jc.begin_iteration()
+            layer(torch.ones(4, 3, dtype=torch.float64))
+
+
+@pytest.mark.mpi(min_size=2)  # one rank: the layer reduces nothing (no collective to order)
+def test_the_forward_pass_before_the_first_step_is_refused_with_the_remedy(comm):
+    jc = JoinableComm(comm)
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
+    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
+    with raises_everywhere(RuntimeError, match=r"inside `with dp.step\(\):`"):
+        with Join([dp, jc]):
+            model(batch(comm.rank, 0, n=3)[0])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dims", [2, 3])
+def test_a_batch_empty_on_every_rank_behaves_as_serial_batchnorm(comm, dims):
+    shape = (0, 3) if dims == 2 else (0, 3, 4)
+    layer = SyncBatchNorm(3, process_group=comm).double()
+    serial = torch.nn.BatchNorm1d(3).double()
+    outputs = []
+    for norm in (layer, serial):
+        x = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+        y = norm(x)
+        y.sum().backward()
+        outputs.append((y.shape, norm.weight.grad.clone(), norm.bias.grad.clone(),
+                        norm.running_mean.clone(), norm.running_var.clone(),
+                        int(norm.num_batches_tracked)))
+    (shape_a, *rest_a), (shape_b, *rest_b) = outputs
+    assert_all(shape_a == shape_b and all(
+        (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+        for a, b in zip(rest_a, rest_b)), f"{outputs}")
+
+
+# -- plain BatchNorm: the buffers in every save ------------------------------------------------
+
+def serial_plain(inputs, steps):
+    """Model state after `steps` global steps (see the module's docstring)."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for t in range(steps):
+        active = [r for r in range(len(inputs)) if inputs[r] > t]
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        buffers_after = None
+        for r in active:
+            model.load_state_dict(start)
+            model.zero_grad()
+            sse(model, *batch(r, t, n=2 + (r + t) % 3)).backward()
+            grads = [g + p.grad for g, p in zip(grads, model.parameters())]
+            if r == active[-1]:
+                buffers_after = {k: v.clone() for k, v in model.named_buffers()}
+        model.load_state_dict(start)
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g / len(inputs)
+        opt.step()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers_after[name])
+    return model
+
+
+def buffers_of(model):
+    return [b.detach().numpy().copy() for b in model.buffers()]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["rank0_short", "three_plus_rank", "even"])
+@pytest.mark.parametrize("when", ["periodic", "stop"])
+def test_every_save_holds_the_buffers_the_active_ranks_hold(comm, tmp_path, pattern, when):
+    """A periodic save (on_save) while a rank has joined, or a save after a stop, and the
+    state after the Join, against the serial replay; the checkpoint loads the same buffers."""
+    if pattern == "rank0_short":  # rank 0 has joined when the save runs
+        inputs = [2 if r == 0 and comm.size > 1 else 6 for r in range(comm.size)]
+    else:
+        inputs = inputs_of(pattern, comm.size)
+    directory = comm.bcast(str(tmp_path))
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(), update=opt.step)
+    saves = []
+
+    def save():
+        path = os.path.join(directory, f"save-{len(saves)}")
+        checkpoint.save(path, model.parameters(), buffers=model.buffers(), comm=comm)
+        saves.append((join.iterations, path, buffers_of(model)))
+
+    with Join([dp], on_save=save if when == "periodic" else None) as join:
+        for t in range(inputs[comm.rank]):
+            if join.stopped:
+                break
+            model.zero_grad()
+            with dp.step():
+                sse(model, *batch(comm.rank, t, n=2 + (comm.rank + t) % 3)).backward()
+            if t == 2 and comm.rank == comm.size - 1:
+                (request_save if when == "periodic" else request_stop)("test")
+    if when == "stop":
+        assert_all(join.stopped, "the Join did not stop")
+        save()
+        inputs = [min(n, join.iterations) for n in inputs]
+    assert_all(len(saves) == 1, f"{len(saves)} saves")
+    step, path, held = saves[0]
+    expected = buffers_of(serial_plain(inputs, step))
+    assert_all(not differences(held, expected), f"buffers held at the save at step {step}")
+    loaded = Net()
+    checkpoint.load(path, loaded.parameters(), buffers=loaded.buffers(), comm=comm)
+    assert_all(not differences(buffers_of(loaded), expected), "buffers in the checkpoint")
+    final = serial_plain(inputs, max(inputs))
+    mine = [v.detach().numpy().copy() for v in model.state_dict().values()]
+    assert_all(not differences(mine, [v.numpy() for v in final.state_dict().values()]),
+               "the state after the Join")
+    assert_all(same_everywhere(mine, comm), "the ranks hold different state after the Join")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("what", ["buffers", "optimizer"])
+def test_a_save_refuses_buffers_or_optimizer_state_that_differ_between_ranks(comm, tmp_path,
+                                                                              what):
+    """The save's cross-rank digest covers buffers and the replicated optimizer state."""
+    directory = comm.bcast(str(tmp_path))
+    params, buffers = [np.zeros(3)], [np.full(2, float(comm.rank if what == "buffers" else 0))]
+    dp = DataParallel(params, comm=comm)
+    opt = Adam(params, dp.grads)
+    if what == "optimizer":
+        opt.state[0]["exp_avg"][...] = comm.rank
+    with raises_everywhere(ValueError, match="different parameters, buffers or optimizer state"):
+        checkpoint.save(directory, params, buffers=buffers, optimizer=opt, comm=comm)
