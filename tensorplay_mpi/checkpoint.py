@@ -98,12 +98,14 @@ def _refuse_inside_join(what: str) -> None:
 
 
 def _agree(comm: MPI.Intracomm, error: BaseException | None, what: str, timeout: float,
-           value: int = 0) -> np.ndarray:
-    """Every rank's `value`, once every rank has told whether its part of `what` failed
-    (:func:`~tensorplay_mpi.agreement.agree`: a rank whose part failed raises its own `error`;
-    the others an exception of the same kind naming the failed ranks)."""
-    return agree(lambda row, every: iallgather(comm, row, every, what), comm.Get_rank(),
-                 comm.Get_size(), what, timeout, error, [value]).values[:, 0]
+           *values: int) -> np.ndarray:
+    """Every rank's `values` (a row per rank; the column itself for one value), once every
+    rank has told whether its part of `what` failed (:func:`~tensorplay_mpi.agreement.agree`:
+    a rank whose part failed raises its own `error`; the others an exception of the same kind
+    naming the failed ranks)."""
+    every = agree(lambda row, every: iallgather(comm, row, every, what), comm.Get_rank(),
+                  comm.Get_size(), what, timeout, error, list(values) or [0]).values
+    return every[:, 0] if len(values) <= 1 else every
 
 
 # -- files ---------------------------------------------------------------------------------------
@@ -330,16 +332,16 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     shard = _shard_path(directory, rank, size, token)
     try:
         written = _write_files(comm, directory, shard, params, buffers, optimizer, kind, every,
-                               extra, timeout, recorded)
+                               extra, timeout, recorded, start)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(shard)  # this save's, if this rank wrote it: no manifest names it
+        if not _committed(directory, token):  # else the manifest on disk names this shard
+            with contextlib.suppress(OSError):
+                os.unlink(shard)  # this save's, if this rank wrote it: no manifest names it
         raise
-    _remove_stale(directory, rank, shard)
+    _remove_stale(directory, rank, shard)  # local: the commit's agreement was the last one
     clear_save()  # this rank's pending save request, if any, is served
-    elapsed = _agree(comm, None, "checkpoint timing", timeout,
-                     int((time.perf_counter() - start) * 1e9)).max() / 1e9
-    return Saved(os.path.join(directory, MANIFEST), int(written.sum()), float(elapsed))
+    return Saved(os.path.join(directory, MANIFEST), int(written[:, 0].sum()),
+                 float(written[:, 1].max() / 1e9))
 
 
 def _replicated(optimizer: Any) -> list[Any]:
@@ -369,9 +371,10 @@ def _check_replicated(digests: np.ndarray) -> None:
 def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequence[Any],
                  buffers: Sequence[Any], optimizer: Any, kind: str, every: np.ndarray,
                  extra: Mapping[str, Any] | None, timeout: float,
-                 config: dict[str, Any] | None = None) -> np.ndarray:
+                 config: dict[str, Any] | None = None, start: float = 0.0) -> np.ndarray:
     """Write this rank's shard, agree, then rank 0 writes the manifest (the commit point),
-    agree; every rank's bytes written."""
+    agree, the save's last collective; every rank's bytes written and nanoseconds since
+    `start` (a ``perf_counter`` reading), a row per rank."""
     error: BaseException | None = None
     nbytes, rank = 0, comm.Get_rank()
     try:
@@ -394,7 +397,20 @@ def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequen
             nbytes += _write(os.path.join(directory, MANIFEST), manifest)
     except Exception as failed:
         error = failed
-    return _agree(comm, error, "checkpoint write (manifest)", timeout, nbytes)
+    elapsed = int((time.perf_counter() - start) * 1e9)
+    return _agree(comm, error, "checkpoint write (manifest)", timeout, nbytes, elapsed)
+
+
+def _committed(directory: str, token: int) -> bool:
+    """Whether the manifest in `directory` is the one of the save with `token`: a failure
+    after rank 0 renamed it (a directory fsync's error, an interrupt in the last agreement)
+    must leave the files it names.  Every rank reads the same file, so every rank decides
+    alike, without a collective on the failure path."""
+    try:
+        with np.load(os.path.join(directory, MANIFEST), allow_pickle=False) as data:
+            return json.loads(str(data["meta"]))["token"] == token
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _remove_stale(directory: str, rank: int, current: str) -> None:
@@ -565,6 +581,8 @@ def _gathered_shards(meta: dict, directory: str, owners: list[int]
     world = meta["world_size"]
     full: dict[str, Any] = {}
     arrays: dict[str, np.ndarray] = {}
+    steps = np.zeros(len(owners), dtype=np.int64)  # per parameter, as the shards counted them
+    every_shard_counted = True
     for rank in range(world):
         shard = _read(_shard_path(directory, rank, world, meta["token"]))
         shard_meta = json.loads(str(shard["meta"]))
@@ -575,6 +593,12 @@ def _gathered_shards(meta: dict, directory: str, owners: list[int]
             full["state"][str(i)] = names
             arrays.update({f"optimizer/{i}/{name}": shard[f"optimizer/{k}/{name}"]
                            for name in names})
+        if "optimizer/param_steps" in shard:
+            steps[mine] = shard["optimizer/param_steps"]
+        else:  # a checkpoint older than per-parameter counts: the optimizer's own count
+            every_shard_counted = False
+    if every_shard_counted:
+        arrays["optimizer/param_steps"] = steps
     return full, arrays
 
 

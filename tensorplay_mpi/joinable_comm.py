@@ -179,6 +179,31 @@ def _from_keys(keys: np.ndarray, dtype: np.dtype, reverse: bool) -> np.ndarray:
     return keys.astype(dtype)
 
 
+_MAX_CODE, _MIN_CODE = OPS.index("MAX") + 1, OPS.index("MIN") + 1
+
+
+_KEYS = {np.dtype(f"f{n}"): (np.dtype(f"i{n}"), np.iinfo(f"i{n}"), 8 * n - 1) for n in (2, 4, 8)}
+"""Per float dtype: the integer dtype of its width, that integer's limits, the sign shift."""
+
+
+def _float_keys(x: np.ndarray, largest: bool) -> np.ndarray:
+    """Integers of `x`'s width in the order of its float values, every NaN the extreme that
+    wins the reduction (`largest`: MAX's), so a MAX or MIN over them propagates NaN the same
+    way on every rank, as ``np.maximum`` does (MPI leaves NaN to the order of reduction)."""
+    kind, limits, shift = _KEYS[x.dtype]
+    flat = x.reshape(-1)
+    bits = flat.view(kind)
+    keys = bits ^ ((bits >> shift) & limits.max)  # negative: the magnitude bits reversed
+    np.copyto(keys, limits.max if largest else limits.min, where=flat != flat)  # NaN
+    return keys
+
+
+def _float_values(keys: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The floats of :func:`_float_keys` (an extreme key: a NaN)."""
+    kind, limits, shift = _KEYS[dtype]
+    return (keys ^ ((keys >> shift) & limits.max)).view(dtype)
+
+
 def _completed(value: Any, what: str) -> Work:
     """A Work already complete, whose result is `value` (an operation done by its announcement)."""
     work = Work(MPI.REQUEST_NULL, what, value=value)
@@ -298,6 +323,7 @@ class JoinableComm(GuardedJoinable):
                 self._announce(_END)
         self._works.clear()
         self._owner = self._announcing = None
+        self._others = []
 
     def _announces(self) -> bool:
         """Whether this operation is announced (ranks have joined); checks begin_iteration()."""
@@ -396,7 +422,9 @@ class JoinableComm(GuardedJoinable):
         for MAX, ...).  `out` (shaped and typed like `x`, C-contiguous) receives the result; by
         default a new array (passing one saves an allocation per call); ``out=x`` reduces in
         place.  Inside a Join the library completes a Work that its caller drops when the
-        iteration ends.
+        iteration ends.  A MAX or MIN of host floats travels as integers in the order of the
+        values, a NaN the extreme that wins: NaN propagates as in ``np.maximum``, the same on
+        every rank (MPI leaves NaN to the order of reduction); it completes before it returns.
         """
         return self._allreduce(x, op, out, False)
 
@@ -422,6 +450,12 @@ class JoinableComm(GuardedJoinable):
             out, result = _output(x, out, given)
         except (TypeError, ValueError) as error:
             self._refuse(error)
+        if x.dtype.kind == "f" and op_code in (_MAX_CODE, _MIN_CODE) and type(x) is np.ndarray:
+            keys = _float_keys(x, op_code == _MAX_CODE)  # NaN: the same result on every rank
+            self._allreduce(keys, op, keys, True)
+            out[...] = _float_values(keys, x.dtype).reshape(x.shape)
+            return result if wait else _completed(result, f"allreduce ({self._where}, floats "
+                                                          "ordered as integers)")
         if self._announces():
             reverse = _carried_op(x, op_code)
             if reverse is not None:  # small and ordered: the announcement carries the data

@@ -418,7 +418,8 @@ class Join:
 
     @property
     def joinables(self) -> tuple[Joinable, ...]:
-        """The joinables in list order: the order of an iteration's collectives and hooks."""
+        """The joinables in list order: the order of an iteration's collectives and hooks;
+        empty once the Join has exited (it keeps none of them alive)."""
         return tuple(self._joinables)
 
     @property
@@ -535,6 +536,14 @@ class Join:
             if self._guard is not None:
                 self._guard.forget_settled()  # the exception, its frames and their objects
                 self._guard.drain()  # stall questions that came while this rank computed
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the joinables and their hooks: an exited Join (a ``with ... as join`` variable
+        read for :attr:`stopped` or :attr:`saves`) keeps none of them alive, so a DataParallel
+        deleted after the block can be replaced (after unfreezing parameters, say)."""
+        self._joinables, self._join_hooks, self._round_hooks = [], [], []
+        self._stream, self._index = None, {}
 
     def _settle(self, error: BaseException) -> None:
         """The failure path: agree with every rank; when every rank failed on its own, complete

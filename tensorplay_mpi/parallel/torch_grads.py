@@ -36,8 +36,11 @@ def check_unbound(params: list[Any]) -> None:
     for i, p in enumerate(params):
         if is_tensor(p) and getattr(p, _BINDING, lambda: None)() is not None:
             raise ValueError(f"params[{i}] already has its gradient bound to the buckets of "
-                             "another DataParallel: use one DataParallel per model (delete "
-                             "the other one first)")
+                             "another DataParallel that is still alive: use one DataParallel "
+                             "per model; to replace it (after unfreezing, say), drop every "
+                             "reference to the old one first (`del dp`; a Join holds its "
+                             "joinables only until it exits, a Join made but never entered "
+                             "holds them until it is dropped)")
 
 
 def frozen_mask(params: list[Any]) -> list[bool]:
