@@ -171,6 +171,13 @@ class Joinable(ABC):
         END announcement) sends it here.  The default does nothing.
         """
 
+    def defers_requests(self) -> bool:
+        """Whether a stop or a periodic save must wait for a later iteration boundary: this
+        joinable holds state that a later iteration completes (DataParallel: gradients
+        accumulated under ``no_sync()`` and not yet averaged).  It must be the same on every
+        rank at each boundary, joined ranks included.  The default is False."""
+        return False
+
     def start_ready(self) -> None:
         """Start, now, the collectives this joinable holds ready to start (DataParallel's
         buckets whose gradients are final): another joinable of the Join is about to issue
@@ -471,13 +478,21 @@ class Join:
         """Whether a heartbeat of this Join carried a stop request of any rank.
 
         The same on every rank at the same iteration: it reads the latest heartbeat (waiting
-        for it if needed), so check it at the top of an iteration.  After the block, true on
+        for it if needed), so check it at the top of an iteration.  It stays false while a
+        joinable defers requests (:meth:`Joinable.defers_requests`: a DataParallel holding
+        gradients accumulated under ``no_sync()``), so the stop lands at the next
+        synchronising step.  After the block, true on
         every rank iff any heartbeat or poll of the Join carried a request.  Always false
         when the Join is disabled (no heartbeat carries anything).
         """
         if self._enable and not self._joining and self._heartbeats:
             self._heartbeats[-1].wait_or_abort(self._timeout)
-        return self._stops > 0
+        return self._stops > 0 and not self._deferring()
+
+    def _deferring(self) -> bool:
+        """Whether a joinable asks requests to wait (gradients accumulated under no_sync):
+        a stop or save then lands at the next boundary where none does."""
+        return any(joinable.defers_requests() for joinable in self._joinables)
 
     @property
     def stop_reason(self) -> str | None:
@@ -500,7 +515,7 @@ class Join:
         """
         if self._enable and not self._joining and self._heartbeats:
             self._heartbeats[-1].wait_or_abort(self._timeout)
-        return self._save_due
+        return self._save_due and not self._deferring()
 
     @property
     def iterations(self) -> int:
@@ -632,7 +647,8 @@ class Join:
     def _run_due_save(self) -> None:
         """Run ``on_save`` if a save is due and the Join has not stopped (a stop's own save
         follows); every rank decides on the same heartbeats, so at the same boundary."""
-        if not self._save_due or self._on_save is None or self._stops > 0:
+        if not self._save_due or self._on_save is None or self._stops > 0 \
+                or self._deferring():
             return
         self._save_due = False
         _saving.append(self)

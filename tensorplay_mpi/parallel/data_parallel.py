@@ -314,6 +314,7 @@ class DataParallel(GuardedJoinable):
         self._requires = torch_params  # requires_grad at construction, checked at each step
 
         self._sync = True  # False inside no_sync()
+        self._unsynced = False  # the last step (or its shadow) did not synchronise
         self._unentered: _MustEnter | None = None  # a step() or no_sync() never entered
         self._steps = 0
         self._step: _Step | None = None  # the step in progress
@@ -458,6 +459,7 @@ class DataParallel(GuardedJoinable):
 
         With every parameter used, an active rank's ``p.grad`` are its bucket views already
         (bound at the step's end), so only a joined rank publishes."""
+        self._unsynced = not step.syncs  # agreed: the same on every rank
         if not step.syncs:
             if self._torch:
                 self._torch.keep_local()
@@ -711,6 +713,11 @@ class DataParallel(GuardedJoinable):
         for check in self._join_checks:
             check(join)
         super()._made_into(join)
+
+    def defers_requests(self) -> bool:
+        """After a ``no_sync()`` step, until the next synchronising one: a stop or a periodic
+        save then would lose the accumulated gradients, so the Join holds it back."""
+        return self._unsynced
 
     def replicated_arrays(self) -> list[Any]:
         """The parameters and buffers: the same on every rank."""
