@@ -39,8 +39,8 @@ from .joinable_comm import JoinableComm
 from .tensors import as_array, is_tensor
 from .work import Work
 
-__all__ = ["gather_all_tensors", "distributed_available", "sync_options", "reduce_states",
-           "confusion_matrix"]
+__all__ = ["gather_all_tensors", "distributed_available", "sync_options", "SyncGroup",
+           "reduce_states", "confusion_matrix"]
 
 _DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -60,9 +60,41 @@ def distributed_available() -> bool:
 
 
 def _group(group: Any) -> JoinableComm | MPI.Intracomm:
+    if isinstance(group, SyncGroup):
+        group = group.group
     if isinstance(group, JoinableComm):
         return group
     return check_comm(default_comm() if group is None else group, "group")
+
+
+class SyncGroup:
+    """The ``process_group`` that :func:`sync_options` puts in a metric: its group (a
+    :class:`JoinableComm` or a communicator) in a handle that pickles.
+
+    A communicator cannot be pickled: a metric pickled and loaded again syncs over the default
+    communicator (``MPI.COMM_WORLD``) until it is given its group again, ``metric.process_group
+    = SyncGroup(jc)`` (inside a Join, the Join's JoinableComm).  A copy (``metric.clone()``)
+    shares the group, as it shares ``MPI.COMM_WORLD``.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = _group(group)
+
+    def __reduce__(self) -> tuple:
+        return SyncGroup, ()
+
+    def __deepcopy__(self, memo: dict) -> "SyncGroup":
+        return self
+
+
+class _MoreThanOneRank:
+    """torchmetrics' ``distributed_available_fn`` for a group: picklable, unlike a lambda."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self) -> bool:
+        return self.size > 1
 
 
 def _size(group: JoinableComm | MPI.Intracomm) -> int:
@@ -82,12 +114,15 @@ def sync_options(group: Any = None) -> dict[str, Any]:
     -------
     dict
         ``dist_sync_fn``, ``distributed_available_fn`` (true when `group` has more than one
-        rank) and ``process_group``: ``MulticlassAccuracy(num_classes=10, **sync_options(jc))``.
+        rank) and ``process_group`` (a :class:`SyncGroup`):
+        ``MulticlassAccuracy(num_classes=10, **sync_options(jc))``.  The metric pickles; a
+        loaded one syncs over the default communicator until given its group again (see
+        :class:`SyncGroup`).
     """
-    checked = _group(group)
-    size = _size(checked)
-    return {"dist_sync_fn": gather_all_tensors, "distributed_available_fn": lambda: size > 1,
-            "process_group": checked}
+    handle = SyncGroup(group)
+    return {"dist_sync_fn": gather_all_tensors,
+            "distributed_available_fn": _MoreThanOneRank(_size(handle.group)),
+            "process_group": handle}
 
 
 def _packed(rank: int, data: np.ndarray) -> np.ndarray:
@@ -142,7 +177,9 @@ def gather_all_tensors(result: Any, group: Any = None) -> list[Any]:
     per :meth:`JoinableComm.begin_iteration` in which the others call it).  The tensors may
     differ in shape (the first dimension, as torchmetrics' cat states, or any other) and are
     sent exactly, through the host; each comes back on `result`'s device, and this rank's
-    entry is `result` itself (its autograd graph kept, as torchmetrics does).
+    entry is `result` itself (its autograd graph kept, as torchmetrics does).  An empty tensor
+    of another dtype than every non-empty one (a rank without samples holds a metric's
+    float32 default state) comes back in theirs, so that a concatenation keeps their dtype.
 
     Parameters
     ----------
@@ -171,8 +208,17 @@ def gather_all_tensors(result: Any, group: Any = None) -> list[Any]:
     else:
         rank = checked.Get_rank()
         rows = _allgather_bytes(checked, _packed(rank, data))
+    pairs = _unpacked(rows)
+    kinds = {array.dtype for _, array in pairs if array.size}
+    kind = kinds.pop() if len(kinds) == 1 else None  # of every rank that holds values
     gathered: list[Any] = []
-    for owner, array in _unpacked(rows):
+    for owner, array in pairs:
+        if kind is not None and not array.size and array.dtype != kind:
+            array = array.astype(kind)  # an empty rank's default state: the others' dtype,
+            if owner == rank and torch is not None:  # so that a concatenation keeps it
+                result = result.to(torch.from_numpy(array).dtype)
+            elif owner == rank:
+                result = array
         if owner == rank:
             gathered.append(result)
         elif torch is not None:

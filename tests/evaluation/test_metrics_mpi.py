@@ -237,4 +237,4 @@ def test_a_copied_metric_or_model_shares_the_joinable_comm(comm):
     jc = JoinableComm(comm)
     metric = MeanSquaredError(**sync_options(jc)).clone()
     layer = copy.deepcopy(SyncBatchNorm(2, process_group=jc))
-    assert_all(metric.process_group is jc and layer.process_group is jc)
+    assert_all(metric.process_group.group is jc and layer.process_group is jc)
