@@ -34,10 +34,10 @@ from tensorplay_mpi.comm import iallreduce
 TARGET = 2.0
 
 
-def run(comm: MPI.Intracomm, ops: int, library: bool) -> None:
-    """Start `ops` allreduces here, wait three of four in a helper thread (at most 64 behind),
-    drop the fourth."""
-    waits: queue.Queue = queue.Queue(maxsize=64)
+def run(comm: MPI.Intracomm, ops: int, library: bool, lag: int = 64) -> None:
+    """Start `ops` allreduces here, wait three of four in a helper thread (at most `lag`
+    behind; 0: no cap), drop the fourth."""
+    waits: queue.Queue = queue.Queue(maxsize=lag)
 
     def helper() -> None:
         while (item := waits.get()) is not None:

@@ -328,6 +328,8 @@ class JoinableComm(GuardedJoinable):
     def _announces(self) -> bool:
         """Whether this operation is announced (ranks have joined); checks begin_iteration()."""
         join = self.join_context
+        if join is not None and join.runs_everywhere:
+            return False  # on_save, update=: every rank issues it here, a plain collective
         if join is not self._owner and self._follows_leader(join):
             if join.iterations == 0:
                 raise RuntimeError(

@@ -23,12 +23,15 @@ Join on that communicator raises ``RuntimeError``; both name the form above.
 A rank with an empty batch contributes zero samples; a batch empty on every rank gives an empty
 output and zero gradients and leaves the running statistics as they were, as
 ``torch.nn.BatchNorm*`` does; a global batch of one sample per channel raises ``ValueError`` on
-every active rank, as torch's BatchNorm does for one.  The statistics are summed in float64, so
+every active rank, as torch's BatchNorm does for one (while a rank has joined, the Join
+ends with it on every rank: a joined rank raises the same kind where it shadows the layer, so it
+cannot be caught and skipped inside the loop).  The statistics are summed in float64, so
 a float32 model matches serial float32 BatchNorm to float32 rounding (about 1e-6 relative).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from typing import Any
@@ -99,12 +102,22 @@ class _JoinCheck:
                          f"buckets of a joined rank); {_WORKING_FORM}")
 
 
+def _shares_ranks(group: MPI.Intracomm, comm: MPI.Intracomm) -> bool:
+    """Whether some process is in both communicators (local: their groups compared)."""
+    mine, theirs = group.Get_group(), comm.Get_group()
+    try:
+        found = MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), theirs)
+    finally:
+        mine.Free()
+        theirs.Free()
+    return any(rank != MPI.UNDEFINED for rank in found)
+
+
 def _check_not_in_join(group: MPI.Intracomm) -> None:
-    """A layer over a plain communicator, training inside a running Join on the same ranks:
-    joined ranks would not shadow its reductions; raise before any."""
+    """A layer over a plain communicator, training inside a running Join over any of the same
+    ranks: joined ranks would not shadow its reductions; raise before any."""
     join = running_join()
-    if join is not None and MPI.Comm.Compare(group, join.joinables[0].join_process_group) in (
-            MPI.IDENT, MPI.CONGRUENT):
+    if join is not None and _shares_ranks(group, join.joinables[0].join_process_group):
         raise RuntimeError(f"SyncBatchNorm reduces over a plain communicator inside a running "
                            f"Join, where ranks that have joined cannot shadow it; "
                            f"{_WORKING_FORM}")
@@ -121,8 +134,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         local = torch.cat([flat.sum((0, 2)), (flat * flat).sum((0, 2))])
         totals, count = _sums(group, local, flat.shape[0] * flat.shape[2], check=True)
         if count == 1:
-            raise ValueError(f"Expected more than 1 value per channel when training, got "
-                             f"{count} over every rank (input size {list(x.shape)} here)")
+            error = ValueError(f"Expected more than 1 value per channel when training, got "
+                               f"{count} over every rank (input size {list(x.shape)} here)")
+            if isinstance(group, JoinableComm):
+                group._refuse(error)  # ranks that have joined raise it too, at this point
+            raise error
         mean = totals[:channels] / max(count, 1)  # empty everywhere: as serial, an empty
         var = (totals[channels:] / max(count, 1) - mean * mean).clamp_(min=0)  # output
         invstd = (var + eps).rsqrt()
@@ -207,6 +223,30 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             if p is not None:
                 p._tensorplay_join_check = check  # type: ignore[attr-defined]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A model saved whole (``torch.save(model)``): the group is not saved (a communicator
+        cannot be pickled); the loaded layer reduces over the default communicator until it is
+        converted again with its group, ``convert_sync_batchnorm(model, jc)``."""
+        state = dict(self.__dict__)
+        state["process_group"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self.process_group is None:
+            self.process_group = _group(None)
+        self._tag_parameters()
+
+    def __deepcopy__(self, memo: dict) -> "SyncBatchNorm":
+        """A copy (``copy.deepcopy(model)``) shares the group, as it shares ``COMM_WORLD``."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            copied.__dict__[name] = (value if name == "process_group" else
+                                     copy.deepcopy(value, memo))
+        copied._tag_parameters()
+        return copied
+
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
@@ -242,10 +282,13 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
 
         As ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: parameters, running statistics
         and the training flag are carried over (shared, not copied); the module returned is
-        `module` itself unless `module` is a batch-norm layer.
+        `module` itself unless `module` is a batch-norm layer.  A layer converted before (a
+        loaded model, say) takes `process_group` when one is given.
         """
         converted = module
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(
+        if isinstance(module, SyncBatchNorm) and process_group is not None:
+            module.process_group = _group(process_group)  # converted before: the group given
+        elif isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(
                 module, SyncBatchNorm):
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,
                             module.track_running_stats, process_group)

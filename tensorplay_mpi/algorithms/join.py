@@ -27,9 +27,10 @@ all nonblocking; the documentation's "Wire protocol" page has every joinable's s
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 from mpi4py import MPI
@@ -366,6 +367,7 @@ class Join:
         self._rounds = 0  # rounds shadowed once joined
         self._entered = False
         self._joining = False
+        self._in_step_everywhere = 0  # depth of code every rank runs at one point (on_save)
         marks = [joinable._made_join for joinable in self._joinables]
         try:
             for joinable in self._joinables:
@@ -452,6 +454,22 @@ class Join:
         """
         if self._stream is not None and self._enable and not self._joining:
             self._stream.announce_block(self._index[id(joinable)])  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def everywhere(self) -> Iterator[None]:
+        """Around code that every rank, joined or not, runs at this point of the stream
+        (``on_save``, DataParallel's ``update=``): a JoinableComm operation inside is a plain
+        collective of every rank, neither announced nor followed."""
+        self._in_step_everywhere += 1
+        try:
+            yield
+        finally:
+            self._in_step_everywhere -= 1
+
+    @property
+    def runs_everywhere(self) -> bool:
+        """Whether code inside :meth:`everywhere` runs now on this rank."""
+        return self._in_step_everywhere > 0
 
     def _shadow_block(self, index: int) -> None:
         """A joined rank's side of an announced block: the main hook of joinable `index`."""
@@ -653,7 +671,8 @@ class Join:
         self._save_due = False
         _saving.append(self)
         try:
-            self._on_save()
+            with self.everywhere():
+                self._on_save()
         finally:
             _saving.remove(self)
         self._saves += 1

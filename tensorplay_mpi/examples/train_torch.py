@@ -39,6 +39,7 @@ from mpi4py import MPI
 
 from tensorplay_mpi import (DataParallel, Join, JoinableComm, checkpoint, request_save,
                             stop_on_signals, torch_state)
+from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.data import batches, shard, shard_sizes
 from tensorplay_mpi.examples.evaluation import validate
 
@@ -161,8 +162,9 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         step0 = (epoch - 1) * per_epoch
 
         def periodic_save(epoch: int = epoch, step0: int = step0) -> None:  # the Join's on_save
-            save(step0 + join.iterations, epoch, done,  # noqa: B023  (this epoch's)
-                 comm.allreduce(totals))  # noqa: B023
+            summed = np.empty(3)  # through the library's collectives (every rank is here)
+            iallreduce(comm, totals, summed).wait()  # noqa: B023  (this epoch's)
+            save(step0 + join.iterations, epoch, done, summed)  # noqa: B023
 
         with Join([dp, *joinables], divide_by_initial_world_size=args.divide == "world",
                   on_save=periodic_save if args.save_every else None) as join:

@@ -16,18 +16,22 @@ class Bucket:
     """One flat gradient buffer and the parameters whose gradients live in it.
 
     ``flat`` holds the gradients, then one "used" flag per member (1 where this rank produced
-    a gradient, 0 where not): the bucket's allreduce sums them with the gradients, so every
-    rank learns how many ranks used each parameter without a message of its own.
+    a gradient, 0 where not), then two sample slots (this rank's sample count and 1 when the
+    step averages per sample, else zeros): the bucket's allreduce sums them with the
+    gradients, so every rank learns how many ranks used each parameter, and how many samples
+    the active ranks' gradients came from, without a message of its own.
     """
 
-    __slots__ = ("flat", "members", "index", "flags", "all_used", "_zeros")
+    __slots__ = ("flat", "grads", "members", "index", "flags", "samples", "all_used", "_zeros")
 
     def __init__(self, like: Any, members: list[int], sizes: list[int]) -> None:
-        n = sum(sizes)
-        self.flat = zeros_like(like, n + len(members))  # on the device and kind of `like`
+        n, m = sum(sizes), len(members)
+        self.flat = zeros_like(like, n + m + 2)  # on the device and kind of `like`
+        self.grads = self.flat[:n]
         self.members = members  # parameter indices, in fill (reverse parameter) order
         self.index = np.asarray(members, dtype=np.intp)
-        self.flags = self.flat[n:]  # the "used" flags, summed with the gradients
+        self.flags = self.flat[n:n + m]  # the "used" flags, summed with the gradients
+        self.samples = self.flat[n + m:]  # [samples, 1] per rank averaging per sample
         self.all_used = True  # every member was used by some rank in the last step
         self._zeros: np.ndarray | None = None
 
@@ -35,6 +39,11 @@ class Bucket:
         """The flags as a NumPy array (copied to the host from a device bucket)."""
         flags = self.flags
         return flags if type(flags) is np.ndarray else flags.get()
+
+    def read_samples(self) -> tuple[float, float]:
+        """The summed sample slots: (samples, ranks that averaged per sample)."""
+        slots = self.samples if type(self.samples) is np.ndarray else self.samples.get()
+        return float(slots[0]), float(slots[1])
 
     def write_flags(self, has: np.ndarray) -> None:
         """Set the flags from booleans on the host."""

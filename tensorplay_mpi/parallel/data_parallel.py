@@ -8,9 +8,10 @@ Wire schedule of one active step (a joined rank's main hook shadows exactly this
    the heartbeat thus completes in the shadow of the backward pass, and the step has no
    synchronisation point that plain data parallelism does not have;
 2. only when ``n < size``, the step control, two allreduces started together:
-   ``Iallreduce(int64[4], SUM)`` of ``[active, syncs, votes for dividing by the world size,
-   votes for dividing by the active ranks]`` (active ranks send ``[1, syncs, 0, 0]``, joined
-   ranks ``[0, 0, d, 1 - d]`` from their Join's ``divide_by_initial_world_size``) and
+   ``Iallreduce(int64[5], SUM)`` of ``[active, syncs, votes for dividing by the world size,
+   votes for dividing by the active ranks, ranks averaging per sample]`` (active ranks send
+   ``[1, syncs, 0, 0, s]``, joined ranks ``[0, 0, d, 1 - d, 0]`` from their Join's
+   ``divide_by_initial_world_size``) and
    ``Iallreduce(int64[1], MAX)`` of the rank (joined ranks send -1): the count, the sync flag,
    the divisor and the highest active rank, the root of the buffer broadcast.  Its size does not
    grow with the number of ranks;
@@ -118,10 +119,12 @@ class _Step:
     """
 
     __slots__ = ("number", "heartbeat", "resolved", "deferred", "syncs", "root", "divisor",
-                 "ready", "unready", "works", "micro_batches", "seen", "all_have", "all_used")
+                 "active", "samples", "per_sample", "ready", "unready", "works",
+                 "micro_batches", "seen", "all_have", "all_used")
 
     def __init__(self, number: int, heartbeat: Work | None, syncs: bool,
-                 params: int, bucket_sizes: list[int], micro_batches: int = 1) -> None:
+                 params: int, bucket_sizes: list[int], micro_batches: int = 1,
+                 samples: int | None = None) -> None:
         self.number = number
         self.heartbeat = heartbeat  # waited for at most once, where its count is first needed
         self.resolved = False
@@ -129,6 +132,9 @@ class _Step:
         self.syncs = syncs
         self.root = -1  # the highest active rank, once resolved
         self.divisor = 0  # what a summed bucket is divided by, once resolved
+        self.active = 0  # ranks active in the step, once resolved
+        self.samples = samples  # this rank's samples, for a per-sample mean (dp.step(samples=))
+        self.per_sample: bool | None = None  # the active ranks' choice, when the control told
         self.ready = np.zeros(params, dtype=bool)  # mark_ready flags per parameter
         self.unready = list(bucket_sizes)  # members not yet marked ready, per bucket
         self.works: list[Work] = []
@@ -318,7 +324,7 @@ class DataParallel(GuardedJoinable):
         self._unentered: _MustEnter | None = None  # a step() or no_sync() never entered
         self._steps = 0
         self._step: _Step | None = None  # the step in progress
-        self._counts = np.zeros(4, dtype=np.int64)  # the step control's buffers
+        self._counts = np.zeros(5, dtype=np.int64)  # the step control's buffers
         self._highest = np.zeros(1, dtype=np.int64)
 
     def _broadcast(self, arrays: list[np.ndarray], root: int, what: str) -> None:
@@ -363,8 +369,8 @@ class DataParallel(GuardedJoinable):
         for bucket in self._buckets:
             bucket.flat.fill(0)
 
-    def step(self, micro_batches: int = 1,
-             unused: Sequence[int] = ()) -> contextlib.AbstractContextManager["DataParallel"]:
+    def step(self, micro_batches: int = 1, unused: Sequence[int] = (),
+             samples: int | None = None) -> contextlib.AbstractContextManager["DataParallel"]:
         """One training step, as ``with dp.step():``: heartbeat on enter; on exit every bucket
         is averaged, then ``update`` runs (when given).
 
@@ -379,6 +385,15 @@ class DataParallel(GuardedJoinable):
         unused : sequence of int
             Indices of array (not autograd) parameters this rank produced no gradient for in
             this step (see the class notes); torch parameters are read from autograd.
+        samples : int, optional
+            Average per sample instead of per rank: this rank's gradient is the mean over
+            `samples` samples (its loss a mean over its batch), and the step's gradient is
+            the mean over every active rank's samples, ``sum(samples_r * grad_r) /
+            sum(samples_r)``: the gradient of the mean loss over the union of the batches, as
+            a serial run computes it, whatever the batch sizes.  Every active rank passes it
+            for the same steps (else ``RuntimeError``); the counts ride in the bucket
+            allreduces (no message of their own).  A step without samples anywhere averages
+            to zero.
 
         Collective over ``comm``.  Inside a Join, ``dp`` must be its first joinable (it reads
         the heartbeat).  Outside a Join every rank is taken to be active: with uneven inputs
@@ -391,7 +406,14 @@ class DataParallel(GuardedJoinable):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
         unused = self._check_unused(unused) if len(unused) else None
-        return _MustEnter(self, self._run_step(int(micro_batches), unused), "step")
+        if samples is not None and (isinstance(samples, bool)
+                                    or not isinstance(samples, numbers.Integral)):
+            raise TypeError(f"samples must be an int >= 0 or None, got {samples!r}")
+        if samples is not None and samples < 0:
+            raise ValueError(f"samples must be an int >= 0 or None, got {samples!r}")
+        return _MustEnter(self, self._run_step(int(micro_batches), unused,
+                                               None if samples is None else int(samples)),
+                          "step")
 
     def _check_unused(self, unused: Sequence[int]) -> np.ndarray:
         indices = np.asarray(unused)
@@ -417,19 +439,19 @@ class DataParallel(GuardedJoinable):
                     "build a new DataParallel after changing which parameters train")
 
     @contextlib.contextmanager
-    def _run_step(self, micro_batches: int = 1,
-                  unused: np.ndarray | None = None) -> Iterator["DataParallel"]:
+    def _run_step(self, micro_batches: int = 1, unused: np.ndarray | None = None,
+                  samples: int | None = None) -> Iterator["DataParallel"]:
         if self._step is not None:
             raise RuntimeError("dp.step() is already active: steps cannot nest")
-        heartbeat = Join.notify_join_context(self)
         join = self.join_context
-        if heartbeat is None and join is not None and join.enabled \
-                and join.joinables[0] is not self:
+        if join is not None and join.enabled and join.joinables[0] is not self:
             raise RuntimeError("DataParallel must be the first joinable of its Join: "
                                "Join([dp, ...])")
+        heartbeat = Join.notify_join_context(self)
         self._steps += 1
         self._step = step = _Step(self._steps, heartbeat, self._sync, len(self.params),
-                                  [len(b.members) for b in self._buckets], micro_batches)
+                                  [len(b.members) for b in self._buckets], micro_batches,
+                                  samples)
         with self._settling_failures(step):
             if self._requires:
                 self._check_frozen()
@@ -473,7 +495,9 @@ class DataParallel(GuardedJoinable):
         if self._manual.size:
             self._has[self._manual] = False
         if self._update is not None:
-            self._update()
+            join = self.join_context  # every rank runs it here: operations in it are plain
+            with join.everywhere() if join is not None else contextlib.nullcontext():
+                self._update()
 
     def _accumulated(self, index: int) -> None:
         """The post-accumulate-grad hook of torch parameter `index`: bind, then (overlap) mark
@@ -555,6 +579,7 @@ class DataParallel(GuardedJoinable):
             return
         step.resolved = True
         active = self.size if step.heartbeat is None else self._wait(step.heartbeat)
+        step.active = active
         if active == self.size:
             step.root, step.divisor = self.size - 1, self.size
         elif self.join_context is not None and self.join_context.stream is not None:
@@ -572,14 +597,21 @@ class DataParallel(GuardedJoinable):
         """The step control; `divide_by_world` is a joined rank's Join option, None if active."""
         counts, highest = self._counts, self._highest
         if divide_by_world is None:
-            counts[:], highest[0] = (1, int(step.syncs), 0, 0), self.rank
+            counts[:] = (1, int(step.syncs), 0, 0, int(step.samples is not None))
+            highest[0] = self.rank
         else:
-            counts[:], highest[0] = (0, 0, int(divide_by_world), int(not divide_by_world)), -1
+            counts[:] = (0, 0, int(divide_by_world), int(not divide_by_world), 0)
+            highest[0] = -1
         what = f"step control (step {step.number})"
         self._wait_all([iallreduce(self.comm, MPI.IN_PLACE, counts, MPI.SUM, f"{what}: counts"),
                         iallreduce(self.comm, MPI.IN_PLACE, highest, MPI.MAX,
                                    f"{what}: highest active rank")])
-        active, syncing, by_world, by_active = counts.tolist()
+        active, syncing, by_world, by_active, per_sample = counts.tolist()
+        if per_sample not in (0, active):
+            raise RuntimeError(
+                f"{per_sample} of {active} active ranks passed samples= to dp.step() in step "
+                f"{step.number}: every active rank must pass it for the same steps")
+        step.per_sample = per_sample > 0
         if syncing not in (0, active):
             raise RuntimeError(
                 f"{syncing} of {active} active ranks synchronise gradients in this step: every "
@@ -597,7 +629,7 @@ class DataParallel(GuardedJoinable):
             raise ValueError(
                 f"joined ranks passed different divide_by_initial_world_size to their Join "
                 f"({by_world} True, {by_active} False): pass the same on every rank")
-        step.syncs, step.root = syncing > 0, int(highest[0])
+        step.syncs, step.root, step.active = syncing > 0, int(highest[0]), active
         step.divisor = active if by_active else self.size
 
     def _start_bucket(self, step: _Step, k: int, shadow: bool = False) -> None:
@@ -607,6 +639,11 @@ class DataParallel(GuardedJoinable):
                 bucket.flags.fill(1)
             else:
                 self._set_flags(bucket)
+            if step.samples is None:
+                bucket.samples.fill(0)
+            else:  # this rank's mean, weighted by its samples
+                bucket.grads *= step.samples
+                bucket.samples[0], bucket.samples[1] = step.samples, 1
         sendbuf = bucket.zeros if shadow else MPI.IN_PLACE
         step.works.append(iallreduce(
             self.comm, sendbuf, bucket.flat, MPI.SUM,
@@ -639,13 +676,32 @@ class DataParallel(GuardedJoinable):
             self._wait(works[k])
             if len(works) == k + 1 and k < last:
                 self._start_bucket(step, k + 1, shadow)  # posted before this bucket's division
-            bucket.flat /= step.divisor
+            bucket.flat /= self._divisor(step, bucket)
             if bucket.flags.all():  # every member used by some rank: the usual case (on a
                 if not bucket.all_used:  # device, read there: no copy to the host)
                     self.used[bucket.index] = bucket.all_used = True
             else:
                 self.used[bucket.index] = bucket.read_flags() > 0
                 bucket.all_used = step.all_used = False
+
+    def _divisor(self, step: _Step, bucket: Any) -> float:
+        """What a summed bucket is divided by: the step's divisor, or the active ranks'
+        samples when they average per sample, read from the bucket's sample slots.  With a
+        rank joined the step control said which; with every rank active each rank reads the
+        slots (on a device only where it passed ``samples``: no copy to the host otherwise, so
+        a rank without it meets another's mismatch as a PeerFailureError)."""
+        if step.per_sample is not None:
+            return max(bucket.read_samples()[0], 1.0) if step.per_sample else step.divisor
+        if step.samples is None and type(bucket.samples) is not np.ndarray:
+            return step.divisor
+        samples, ranks = bucket.read_samples()
+        if ranks == 0:
+            return step.divisor
+        if ranks != step.active:
+            raise RuntimeError(
+                f"{int(ranks)} of {step.active} active ranks passed samples= to dp.step() in "
+                f"step {step.number}: every active rank must pass it for the same steps")
+        return max(samples, 1.0)
 
     @contextlib.contextmanager
     def _settling_failures(self, step: _Step) -> Iterator[None]:

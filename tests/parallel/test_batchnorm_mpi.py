@@ -320,3 +320,91 @@ def test_a_save_refuses_buffers_or_optimizer_state_that_differ_between_ranks(com
         opt.state[0]["exp_avg"][...] = comm.rank
     with raises_everywhere(ValueError, match="different parameters, buffers or optimizer state"):
         checkpoint.save(directory, params, buffers=buffers, optimizer=opt, comm=comm)
+
+
+# -- what a skeptical user tried ---------------------------------------------------------------
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["three_plus_rank", "rank0_zero"])
+def test_joinable_comm_operations_in_update_and_on_save_are_collectives_of_every_rank(comm,
+                                                                                     pattern):
+    inputs = inputs_of(pattern, comm.size)
+    jc = JoinableComm(comm)
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sums = []
+
+    def update():
+        opt.step()
+        sums.append(float(jc.allreduce(np.ones(1))[0]))  # every rank runs update= here
+
+    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(), update=update)
+    with Join([dp, jc], on_save=lambda: sums.append(float(jc.allreduce(np.ones(1))[0]))):
+        for t in range(inputs[comm.rank]):
+            model.zero_grad()
+            with dp.step():
+                sse(model, *batch(comm.rank, t, 0, sizes(inputs, t)[comm.rank])).backward()
+            if t == 1 and comm.rank == comm.size - 1:
+                request_save("test")
+    saves = int(inputs[comm.size - 1] >= 2)  # the last rank asked after its second step
+    assert_all(len(sums) == max(inputs) + saves and all(s == comm.size for s in sums),
+               f"sums {sums}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_one_sample_batch_with_a_rank_joined_ends_the_join_with_its_error_everywhere(comm):
+    jc = JoinableComm(comm)
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
+    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
+    with raises_everywhere(ValueError, match="more than 1 value per channel|ValueError"):
+        with Join([dp, jc]):
+            for t in range(1 if comm.rank == 0 else 2):
+                model.zero_grad()
+                with dp.step():
+                    n = 3 if t == 0 else (1 if comm.rank == comm.size - 1 else 0)
+                    sse(model, *batch(comm.rank, t, 0, n)).backward()
+
+
+@pytest.mark.mpi
+def test_converting_again_with_the_joinable_comm_sets_it_and_the_model_pickles(comm):
+    import io
+
+    jc = JoinableComm(comm)
+    model = SyncBatchNorm.convert_sync_batchnorm(Net())  # as torch users write it first
+    SyncBatchNorm.convert_sync_batchnorm(model, jc)
+    assert_all(model.norm.process_group is jc)
+    saved = io.BytesIO()
+    torch.save(model, saved)  # a communicator is not pickled
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert_all(model.norm.process_group is jc and loaded.norm.process_group is not jc)
+    SyncBatchNorm.convert_sync_batchnorm(loaded, jc)
+    dp = DataParallel(loaded.parameters(), comm=comm, buffers=loaded.buffers())
+    with Join([dp, jc]):
+        with dp.step():
+            sse(loaded, *batch(comm.rank, 0, 0, 3)).backward()
+    assert_all(int(loaded.norm.num_batches_tracked) == 1)
+
+
+@pytest.mark.mpi
+def test_data_parallel_after_the_joinable_comm_names_the_order(comm):
+    jc = JoinableComm(comm)
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
+    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
+    with raises_everywhere(RuntimeError, match="must be the first joinable"):
+        with Join([jc, dp]):
+            jc.begin_iteration()
+            with dp.step():
+                pass
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_layer_over_a_sub_communicator_inside_a_join_raises_instead_of_hanging(comm):
+    sub = comm.Split(comm.rank % 2, comm.rank)
+    layer = SyncBatchNorm(3, affine=False, process_group=sub).double()
+    jc = JoinableComm(comm)
+    with raises_everywhere(RuntimeError, match="plain communicator inside a running Join"):
+        with Join([jc]):
+            jc.begin_iteration()
+            layer(torch.ones(4, 3, dtype=torch.float64))
+    sub.Free()
