@@ -12,21 +12,28 @@ __all__ = ["shard_sizes", "shard", "batches", "Sampler"]
 
 
 def shard_sizes(num_samples: int, size: int, skew: float = 0.0,
-                idle: Iterable[int] = ()) -> list[int]:
-    """How many samples each rank gets: rank ``r`` weighs ``1 + skew * r``, idle ranks 0.
+                idle: Iterable[int] = (), weights: Sequence[float] | None = None) -> list[int]:
+    """How many samples each rank gets: rank ``r`` weighs ``1 + skew * r`` (or ``weights[r]``
+    when given), idle ranks 0.
 
     ``skew=0`` splits as evenly as possible; a larger skew gives higher ranks more samples.
-    The sizes always add up to `num_samples` (nothing padded, nothing dropped).
+    `weights` gives each rank's share (per-site data set sizes such as ``[40, 35, 25]``, or
+    the exact sizes themselves, which then come back as they are).  The sizes always add up to
+    `num_samples` (nothing padded, nothing dropped).
 
     Raises
     ------
     ValueError
-        If `num_samples` < 0, `size` < 1, `skew` < 0, or every rank is idle.
+        If `num_samples` < 0, `size` < 1, `skew` < 0, `weights` is not `size` finite numbers
+        >= 0, or every rank is idle.
     """
     if num_samples < 0 or size < 1 or skew < 0:
         raise ValueError(f"need num_samples >= 0, size >= 1, skew >= 0; got "
                          f"{num_samples}, {size}, {skew}")
-    weights = 1.0 + skew * np.arange(size)
+    if weights is None:
+        weights = 1.0 + skew * np.arange(size)
+    else:
+        weights = _checked_weights(weights, size)
     weights[[r for r in idle if 0 <= r < size]] = 0.0
     if not weights.any():
         raise ValueError(f"every rank is idle ({sorted(idle)}): nobody would get a sample")
@@ -34,10 +41,21 @@ def shard_sizes(num_samples: int, size: int, skew: float = 0.0,
     return np.diff(bounds).astype(int).tolist()
 
 
+def _checked_weights(weights: Sequence[float], size: int) -> np.ndarray:
+    try:
+        values = np.array(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"weights must be {size} numbers >= 0, got {weights!r}") from None
+    if values.shape != (size,) or not np.isfinite(values).all() or (values < 0).any():
+        raise ValueError(f"weights must be {size} finite numbers >= 0 (one per rank), got "
+                         f"{weights!r}")
+    return values
+
+
 def shard(num_samples: int, rank: int, size: int, skew: float = 0.0,
-          idle: Iterable[int] = ()) -> range:
+          idle: Iterable[int] = (), weights: Sequence[float] | None = None) -> range:
     """The contiguous sample indices of `rank` (see :func:`shard_sizes`)."""
-    sizes = shard_sizes(num_samples, size, skew, idle)
+    sizes = shard_sizes(num_samples, size, skew, idle, weights)
     start = sum(sizes[:rank])
     return range(start, start + sizes[rank])
 
@@ -53,7 +71,7 @@ def batches(indices: range | np.ndarray, batch_size: int,
     return [order[i:i + batch_size] for i in range(0, order.size, batch_size)]
 
 
-_STATE_FORMAT = 1
+_STATE_FORMAT = 2  # 1: without the weights of each world size (read too)
 
 
 class Sampler:
@@ -86,6 +104,11 @@ class Sampler:
         The order's seed.
     skew : float, default 0
         Rank ``r`` gets a share proportional to ``1 + skew * r`` (:func:`shard_sizes`).
+    weights : sequence of float, optional
+        Instead of `skew`, each rank's share at this world size: per-site data set sizes
+        (``[40, 35, 25]``) or the exact shard sizes.  A resume at another world size takes
+        that sampler's own weights for the re-split; the weights of every earlier world size
+        of the epoch travel in :meth:`state`, so each sample is still used exactly once.
     shuffle : bool, default True
         Permute each shard per epoch; ``False`` keeps the ids in order.
 
@@ -114,7 +137,8 @@ class Sampler:
     """
 
     def __init__(self, num_samples: int, rank: int, size: int, *, batch_size: int,
-                 seed: int = 0, skew: float = 0.0, shuffle: bool = True) -> None:
+                 seed: int = 0, skew: float = 0.0, weights: Sequence[float] | None = None,
+                 shuffle: bool = True) -> None:
         for name, value in (("num_samples", num_samples), ("rank", rank), ("size", size),
                             ("batch_size", batch_size), ("seed", seed)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -123,24 +147,37 @@ class Sampler:
             raise ValueError(f"need 0 <= rank < size, got rank {rank}, size {size}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        shard_sizes(num_samples, size, skew)  # checks num_samples, size and skew
+        if weights is not None and skew:
+            raise ValueError("pass skew or weights, not both")
+        shard_sizes(num_samples, size, skew, weights=weights)  # checks them all
         self.num_samples, self.rank, self.size = int(num_samples), int(rank), int(size)
         self.batch_size, self.seed, self.skew, self.shuffle = batch_size, seed, skew, shuffle
+        self.weights = None if weights is None else _checked_weights(weights, size).tolist()
         self.epoch = 1
         self.cursor = 0
         self._splits: list[tuple[int, list[int]]] = []  # earlier splits of this epoch
+        self._earlier: dict[int, list[float]] = {}  # weights of earlier world sizes (state)
+
+    def _weights(self, size: int, last: bool = False) -> list[float] | None:
+        """The weights of a split of this epoch over `size` ranks (None: by `skew`): those the
+        checkpoint recorded for that size, but for the `last` split, over this sampler's
+        ranks, which takes its own."""
+        if last or size not in self._earlier:
+            return self.weights if size == self.size else None
+        return self._earlier[size]
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` at its beginning; nothing changes if it is the current epoch (so a
         resumed epoch goes on from the cursor)."""
         if epoch != self.epoch:
-            self.epoch, self.cursor, self._splits = int(epoch), 0, []
+            self.epoch, self.cursor, self._splits, self._earlier = int(epoch), 0, [], {}
 
     def _fresh(self, size: int) -> list[np.ndarray]:
         """Every rank's samples of the current epoch at `size` ranks, in order."""
         parts = []
         for r in range(size):
-            ids = np.asarray(shard(self.num_samples, r, size, self.skew))
+            ids = np.asarray(shard(self.num_samples, r, size, self.skew,
+                                   weights=self._weights(size)))
             if self.shuffle:
                 ids = np.random.default_rng([self.seed, self.epoch, r]).permutation(ids)
             parts.append(ids)
@@ -153,14 +190,15 @@ class Sampler:
             return self._fresh(self.size)
         parts = self._fresh(self._splits[0][0])
         sizes = [size for size, _ in self._splits[1:]] + [self.size]
-        for (_, cursors), size in zip(self._splits, sizes):
+        for k, ((_, cursors), size) in enumerate(zip(self._splits, sizes)):
             for r, (part, c) in enumerate(zip(parts, cursors)):
                 if not 0 <= c <= -(-part.size // self.batch_size):
                     raise ValueError(
                         f"cannot re-split the data: rank {r}'s cursor {c} is beyond its "
                         f"{part.size} samples in batches of {self.batch_size}")
             parts = _split(np.concatenate([p[c * self.batch_size:] for p, c in
-                                           zip(parts, cursors)]), size, self.skew)
+                                           zip(parts, cursors)]), size, self.skew,
+                           self._weights(size, last=k == len(sizes) - 1))
         return parts
 
     def batches(self) -> list[np.ndarray]:
@@ -185,6 +223,12 @@ class Sampler:
                 len(self._splits)]
         for size, cursors in self._splits:
             flat += [size, *cursors]
+        weighted = dict(self._earlier)  # the epoch's splits so far, then this world size's
+        if self.weights is not None and (self.size not in weighted or self._splits):
+            weighted[self.size] = self.weights
+        flat.append(len(weighted))
+        for size, w in sorted(weighted.items()):  # float64 bits as int64: exact
+            flat += [size, *np.asarray(w, np.float64).view(np.int64).tolist()]
         return np.array(flat, dtype=np.int64)
 
     def resume(self, epoch: int, cursors: Sequence[int], state: np.ndarray | None) -> None:
@@ -221,7 +265,7 @@ class Sampler:
     def _decode(self, state: np.ndarray, epoch: int, saved_size: int
                 ) -> list[tuple[int, list[int]]]:
         flat = state.astype(np.int64).tolist()
-        if len(flat) < 6 or flat[0] != _STATE_FORMAT:
+        if len(flat) < 6 or flat[0] not in (1, _STATE_FORMAT):
             raise ValueError(f"not a Sampler state (format {flat[:1]}), cannot re-split")
         num, batch, saved_epoch, size, count = flat[1:6]
         if (num, batch) != (self.num_samples, self.batch_size):
@@ -237,10 +281,18 @@ class Sampler:
             n = flat[at]
             splits.append((n, flat[at + 1:at + 1 + n]))
             at += 1 + n
+        self._earlier = {}
+        for _ in range(flat[at] if flat[0] >= 2 else 0):
+            n = flat[at + 1]
+            self._earlier[n] = np.array(flat[at + 2:at + 2 + n], np.int64).view(
+                np.float64).tolist()
+            at += 1 + n
         return splits
 
 
-def _split(ids: np.ndarray, size: int, skew: float) -> list[np.ndarray]:
+def _split(ids: np.ndarray, size: int, skew: float,
+           weights: Sequence[float] | None = None) -> list[np.ndarray]:
     """`ids` in contiguous pieces over `size` ranks (:func:`shard_sizes`)."""
-    bounds = np.concatenate([[0], np.cumsum(shard_sizes(ids.size, size, skew))])
+    bounds = np.concatenate([[0], np.cumsum(shard_sizes(ids.size, size, skew,
+                                                         weights=weights))])
     return [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

@@ -216,7 +216,11 @@ class DataParallel(GuardedJoinable):
         step it holds the average.
     used : numpy.ndarray of bool
         Per parameter: whether any rank produced a gradient for it in the last synchronising
-        step (before the first, True but for frozen parameters).  The library's optimizers
+        step (before the first, True but for frozen parameters).
+    samples : int
+        The active ranks' samples in the last step entered with ``samples=`` (the union's
+        size, the same on every rank, joined ones included): a schedule keyed on samples seen
+        stays right across a resize.  The library's optimizers
         step only these, as torch.optim steps only parameters whose ``p.grad`` is not None.
 
     Notes
@@ -321,11 +325,27 @@ class DataParallel(GuardedJoinable):
 
         self._sync = True  # False inside no_sync()
         self._unsynced = False  # the last step (or its shadow) did not synchronise
+        self.samples = 0  # the active ranks' samples in the last step with samples=
         self._unentered: _MustEnter | None = None  # a step() or no_sync() never entered
         self._steps = 0
         self._step: _Step | None = None  # the step in progress
         self._counts = np.zeros(5, dtype=np.int64)  # the step control's buffers
         self._highest = np.zeros(1, dtype=np.int64)
+
+    @property
+    def steps(self) -> int:
+        """Steps taken: this rank's ``dp.step()`` blocks plus the steps it shadowed once
+        joined, so the same on every rank at every iteration boundary (inside a Join's
+        ``on_save``, where a joined rank runs no loop of its own), across Joins.  A step
+        counter for saves and per-step schedules; set it after a resume
+        (``dp.steps = resumed.step``)."""
+        return self._steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"steps must be an int >= 0, got {value!r}")
+        self._steps = int(value)
 
     def _broadcast(self, arrays: list[np.ndarray], root: int, what: str) -> None:
         self._wait_all([ibcast(self.comm, a, root, f"{what} {i + 1} of {len(arrays)}")
@@ -690,17 +710,17 @@ class DataParallel(GuardedJoinable):
         rank joined the step control said which; with every rank active each rank reads the
         slots (on a device only where it passed ``samples``: no copy to the host otherwise, so
         a rank without it meets another's mismatch as a PeerFailureError)."""
-        if step.per_sample is not None:
-            return max(bucket.read_samples()[0], 1.0) if step.per_sample else step.divisor
-        if step.samples is None and type(bucket.samples) is not np.ndarray:
+        if step.per_sample is False or (step.per_sample is None and step.samples is None
+                                         and type(bucket.samples) is not np.ndarray):
             return step.divisor
         samples, ranks = bucket.read_samples()
-        if ranks == 0:
+        if step.per_sample is None and ranks == 0:
             return step.divisor
-        if ranks != step.active:
+        if step.per_sample is None and ranks != step.active:
             raise RuntimeError(
                 f"{int(ranks)} of {step.active} active ranks passed samples= to dp.step() in "
                 f"step {step.number}: every active rank must pass it for the same steps")
+        self.samples = int(samples)
         return max(samples, 1.0)
 
     @contextlib.contextmanager

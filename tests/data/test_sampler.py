@@ -92,3 +92,43 @@ def test_arguments_that_are_not_ints_are_a_type_error(bad):
     with pytest.raises(TypeError, match=f"Sampler: {name} must be an int"):
         Sampler(args.pop("num_samples"), args.pop("rank"), args.pop("size"), **args)
     Sampler(np.int64(N), np.int32(0), np.int64(2), batch_size=np.int64(BATCH))  # NumPy ints
+
+
+def weights_of(size):
+    """Per-site shares: explicit sizes at 3 ranks (40/35/26 of 101), proportions elsewhere."""
+    return {3: [40, 35, 26], 2: [0.6, 0.4], 4: [1, 2, 3, 4]}.get(size, [1.0] * size)
+
+
+def weighted(size):
+    return [Sampler(N, r, size, batch_size=BATCH, seed=3, weights=weights_of(size))
+            for r in range(size)]
+
+
+def test_explicit_sizes_are_the_shards_and_weights_split_proportionally():
+    assert [sum(map(len, s.batches())) for s in weighted(3)] == [40, 35, 26]
+    assert [sum(map(len, s.batches())) for s in weighted(2)] == [61, 40]  # 0.6 and 0.4 of 101
+    with pytest.raises(ValueError, match="3 finite numbers >= 0"):
+        Sampler(N, 0, 3, batch_size=BATCH, weights=[1, 2])
+    with pytest.raises(ValueError, match="skew or weights"):
+        Sampler(N, 0, 2, batch_size=BATCH, skew=1.0, weights=[1, 1])
+
+
+@pytest.mark.parametrize("sizes", [(3, 2), (2, 4, 3), (3, 3), (4, 1, 2), (3, 2, 3)])
+@pytest.mark.parametrize("change", [False, True])
+def test_weighted_shards_keep_every_sample_exactly_once_across_resizes(sizes, change):
+    """`change`: the resumed sampler brings other weights for its world size."""
+    used = []
+    ranks = weighted(sizes[0])
+    for size in sizes[1:]:
+        for s in ranks:
+            s.set_epoch(2)
+        consume(ranks, [s.rank % 3 + 1 for s in ranks], used)
+        cursors, state = [s.cursor for s in ranks], ranks[0].state()
+        ranks = weighted(size)
+        if change:
+            ranks = [Sampler(N, r, size, batch_size=BATCH, seed=3,
+                             weights=list(range(1, size + 1))) for r in range(size)]
+        for s in ranks:
+            s.resume(2, cursors, state)
+    consume(ranks, [None] * len(ranks), used)
+    assert sorted(used) == list(range(N)), collections.Counter(used).most_common(3)

@@ -42,13 +42,18 @@ def test_a_per_sample_mean_equals_the_serial_mean_over_the_union(comm, pattern):
     inputs = inputs_of(pattern, comm.size)
     model = Branchy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    dp = DataParallel(model.parameters(), comm=comm, update=opt.step)
+    seen = []
+    dp = DataParallel(model.parameters(), comm=comm, update=lambda: (opt.step(),
+                                                                    seen.append(dp.samples)))
     with Join([dp]):
         for t in range(inputs[comm.rank]):
             x, y = batch(comm.rank, t)
             model.zero_grad()
             with dp.step(samples=len(x)):
                 mean_loss(model, x, y).backward()
+    union = [sum(len(batch(r, t)[0]) for r in range(comm.size) if inputs[r] > t)
+             for t in range(max(inputs))]
+    assert_all(seen == union, f"dp.samples {seen}, the union's sizes {union}")
     expected = arrays(serial(inputs))
     assert_all(not close(arrays(model), expected), close(arrays(model), expected))
     assert_all(same_everywhere(arrays(model), comm), "the ranks differ")

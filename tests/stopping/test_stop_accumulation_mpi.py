@@ -98,3 +98,27 @@ def test_a_periodic_save_during_accumulation_waits_for_the_synchronising_step(co
     train(comm, inputs, model, dp, save_at=GROUP - 1, on_save=on_save, joins=joins)
     assert_all(len(seen) == 1 and seen[0][0] % GROUP == 0 and not seen[0][1],
                f"saves at (micro-step, accumulating): {seen}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["three_plus_rank", "rank0_zero"])
+def test_dp_steps_is_the_same_on_every_rank_in_on_save_and_across_joins(comm, pattern):
+    inputs = inputs_of(pattern, comm.size)
+    model, opt, dp = make(comm)
+    dp.steps = 100  # as after a resume
+    seen, joins = [], []
+    for epoch in range(2):
+        with Join([dp], on_save=lambda: seen.append((dp.steps, joins[-1].iterations))) as join:
+            joins.append(join)
+            for i in range(inputs[comm.rank]):
+                with dp.step():
+                    loss_of(model, comm.rank, i).backward()
+                if i == 1 and comm.rank == comm.size - 1:
+                    request_save("test")
+    every = comm.allgather(seen)
+    bases = [100, 100 + max(inputs)]
+    assert_all(all(s == every[0] for s in every) and len(seen) == 2 * (inputs[-1] >= 2)
+               and all(steps == base + iterations
+                       for (steps, iterations), base in zip(seen, bases))
+               and dp.steps == 100 + 2 * max(inputs),
+               f"(steps, iterations) in on_save by rank: {every}")
