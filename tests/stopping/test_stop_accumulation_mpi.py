@@ -107,7 +107,7 @@ def test_dp_steps_is_the_same_on_every_rank_in_on_save_and_across_joins(comm, pa
     model, opt, dp = make(comm)
     dp.steps = 100  # as after a resume
     seen, joins = [], []
-    for epoch in range(2):
+    for _ in range(2):
         with Join([dp], on_save=lambda: seen.append((dp.steps, joins[-1].iterations))) as join:
             joins.append(join)
             for i in range(inputs[comm.rank]):
