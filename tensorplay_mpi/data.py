@@ -30,14 +30,12 @@ def shard_sizes(num_samples: int, size: int, skew: float = 0.0,
     if num_samples < 0 or size < 1 or skew < 0:
         raise ValueError(f"need num_samples >= 0, size >= 1, skew >= 0; got "
                          f"{num_samples}, {size}, {skew}")
-    if weights is None:
-        weights = 1.0 + skew * np.arange(size)
-    else:
-        weights = _checked_weights(weights, size)
-    weights[[r for r in idle if 0 <= r < size]] = 0.0
-    if not weights.any():
+    shares = 1.0 + skew * np.arange(size) if weights is None else _checked_weights(weights,
+                                                                                   size)
+    shares[[r for r in idle if 0 <= r < size]] = 0.0
+    if not shares.any():
         raise ValueError(f"every rank is idle ({sorted(idle)}): nobody would get a sample")
-    bounds = np.rint(np.concatenate([[0.0], np.cumsum(weights)]) / weights.sum() * num_samples)
+    bounds = np.rint(np.concatenate([[0.0], np.cumsum(shares)]) / shares.sum() * num_samples)
     return np.diff(bounds).astype(int).tolist()
 
 
