@@ -40,12 +40,15 @@ BATCH = 32
 LAYERS = 4
 
 
-def make_model(width: int) -> torch.nn.Module:
-    """``LAYERS`` square linear layers with tanh between: about ``LAYERS * width**2`` params."""
+def make_model(width: int, norm: bool = False) -> torch.nn.Module:
+    """``LAYERS`` square linear layers with tanh between (after a ``BatchNorm1d`` with
+    `norm`): about ``LAYERS * width**2`` params."""
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
     for i in range(LAYERS):
-        layers += [torch.nn.Linear(width, width)] + ([torch.nn.Tanh()] if i < LAYERS - 1 else [])
+        layers.append(torch.nn.Linear(width, width))
+        if i < LAYERS - 1:
+            layers += ([torch.nn.BatchNorm1d(width)] if norm else []) + [torch.nn.Tanh()]
     return torch.nn.Sequential(*layers)
 
 

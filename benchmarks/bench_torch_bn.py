@@ -28,6 +28,7 @@ import os
 
 import torch
 import torch.distributed as dist
+import bench_torch
 from bench_torch import interleaved, start, torch_parser, train
 from mpi4py import MPI
 from torch.nn.parallel import DistributedDataParallel
@@ -36,17 +37,10 @@ from tensorplay_mpi import DataParallel, Join, JoinableComm, SyncBatchNorm
 
 LR = 1e-3
 BATCH = 64
-LAYERS = 4
 
 
 def make_model(width: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for i in range(LAYERS):
-        layers.append(torch.nn.Linear(width, width))
-        if i < LAYERS - 1:
-            layers += [torch.nn.BatchNorm1d(width), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers)
+    return bench_torch.make_model(width, norm=True)
 
 
 class Ours:
