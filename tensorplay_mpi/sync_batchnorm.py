@@ -43,6 +43,7 @@ from mpi4py import MPI
 from .algorithms.join import running_join
 from .joinable_comm import JoinableComm
 from .metrics import _group, _size, _StatesDiffer, reduce_states
+from .tensors import JOIN_CHECK
 
 __all__ = ["SyncBatchNorm"]
 
@@ -221,7 +222,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         check = _JoinCheck(self)
         for p in (self.weight, self.bias):
             if p is not None:
-                p._tensorplay_join_check = check  # type: ignore[attr-defined]
+                setattr(p, JOIN_CHECK, check)  # read by a DataParallel over them
 
     def __getstate__(self) -> dict[str, Any]:
         """A model saved whole (``torch.save(model)``): the group is not saved (a communicator

@@ -18,9 +18,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["as_array", "as_arrays", "is_tensor", "like"]
+__all__ = ["JOIN_CHECK", "as_array", "as_arrays", "is_tensor", "like"]
 
 _DLPACK_CPU = 1  # kDLCPU
+
+JOIN_CHECK = "_tensorplay_join_check"
+"""The attribute a layer sets on its parameters (SyncBatchNorm: a callable taking a Join) that
+a DataParallel over them calls when a Join is made with it."""
 
 
 def is_tensor(x: Any) -> bool:

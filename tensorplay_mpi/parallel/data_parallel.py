@@ -44,7 +44,7 @@ from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join, JoinHook
 from ..buffers import check_disjoint, device_of, is_device_array
 from ..comm import Work, iallreduce, ibcast
-from ..tensors import as_array, as_arrays, is_tensor, like
+from ..tensors import JOIN_CHECK, as_array, as_arrays, is_tensor, like
 from ..gradient_link import GradientViews, PlaceCheck, in_join
 from .buckets import make_buckets
 from .torch_grads import TorchGradients, check_unbound, frozen_mask
@@ -309,7 +309,7 @@ class DataParallel(GuardedJoinable):
         self._buckets, self._bucket_of, views = make_buckets(self.params, bucket_cap_mb * 2**20,
                                                              frozen)
         self.grads = GradientViews([like(p, v) for p, v in zip(given, views)], self)
-        checks = (getattr(p, "_tensorplay_join_check", None) for p in given)
+        checks = (getattr(p, JOIN_CHECK, None) for p in given)
         self._join_checks = list({id(c): c for c in checks if c is not None}.values())
         self._place_check = PlaceCheck()
         self._broadcast(self.params + self.buffers, broadcast_from, "initial broadcast")
