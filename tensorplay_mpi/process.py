@@ -198,6 +198,9 @@ STATE: tuple[State, ...] = (
           "the test session's"),
     State("the attribute on users' torch parameters (a weak reference to their binding)",
           "parallel/torch_grads.py", "", "weak: dead with their DataParallel"),
+    State("the attribute on a SyncBatchNorm layer's parameters (a weak reference to the "
+          "layer, for DataParallel's Join check)", "sync_batchnorm.py", "",
+          "weak: dead with the layer; not pickled"),
     State("whether the fused kernels (numba) import; compiled CuPy kernels", "optim/rules.py",
           "tensorplay_mpi.optim.rules:_import_fused.cache_clear"),
 )
