@@ -335,8 +335,10 @@ class JoinableComm(GuardedJoinable):
                 raise RuntimeError(
                     f"a JoinableComm operation before the first iteration of "
                     f"{type(join.joinables[0]).__name__}, the first joinable of the Join: its "
-                    "iterations lead, so run every operation inside or after them (the forward "
-                    "pass of a SyncBatchNorm model inside `with dp.step():`)")
+                    "iterations lead, so run every operation inside one or after it in the same "
+                    "iteration (the forward pass of a SyncBatchNorm model inside `with "
+                    "dp.step():`); a loop without steps (validation) needs a Join of its own, "
+                    "`with Join([jc]):` and jc.begin_iteration() in each iteration")
             self._begin(join)
         if join is not self._owner:
             if join is not None and join.enabled:
