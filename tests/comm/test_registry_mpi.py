@@ -15,11 +15,12 @@ from tensorplay_mpi.testing import assert_all
 OPS = 12_000  # about a second at 2 ranks here; the 30,000 case is benchmarks/bench_registry.py
 
 
-def _start_many(comm, ops, dropped_every=4):
+def _start_many(comm, ops, dropped_every=4, lag=64):
     """Start `ops` allreduces of ``full(4, i)``; a helper thread waits for all but every
-    `dropped_every`-th, which is dropped (at most 64 behind the starts, a pipeline: only the
-    dropped ones pile up).  Returns the results, in start order."""
-    waits: queue.Queue = queue.Queue(maxsize=64)
+    `dropped_every`-th, which is dropped (at most `lag` behind the starts, a pipeline: only the
+    dropped ones pile up; 0: no cap, everything may pile up).  Returns the results, in start
+    order."""
+    waits: queue.Queue = queue.Queue(maxsize=lag)
     waited = []
 
     def helper():
@@ -57,6 +58,23 @@ def test_many_operations_waited_by_a_thread_and_dropped_complete_exactly_in_line
     assert_all(swept <= 3 * OPS, f"{swept} sweep tests for {OPS} starts")
     assert_all(registry.outstanding_requests() == 0,
                f"{registry.outstanding_requests()} operations still pending")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_helper_that_falls_behind_without_bound_keeps_the_registry_linear(comm):
+    """The round-4 case without the cap: the helper's lag grows with the run.  The registry's
+    own work (its sweeps' request tests) stays O(1) a start at N and at 2N, where a quadratic
+    registry would test ~N/8 a start; wall time is MPI's too, so it is the benchmark's
+    (benchmarks/bench_registry.py, unbounded lag, against raw mpi4py)."""
+    per_start = []
+    for ops in (OPS // 4, OPS // 2):
+        before = registry.sweep_tests()
+        results, waited = _start_many(comm, ops, lag=0)
+        per_start.append((registry.sweep_tests() - before) / ops)
+        registry.complete_pending(None, 60.0)
+        wrong = [i for i, r in enumerate(results) if not (r == i * comm.size).all()]
+        assert_all(not wrong and waited == ops - ops // 4, f"wrong sums at {wrong[:5]}")
+    assert_all(max(per_start) <= 3, f"sweep tests per start at N and 2N: {per_start}")
 
 
 @pytest.mark.mpi(min_size=2)
