@@ -308,8 +308,9 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     directory = os.fspath(directory)
     params = [_host(p) for p in params]  # once: the replica digest, then rank 0's manifest
     buffers = [_host(b) for b in buffers]
+    replicated = optimizer.replicated_state() if isinstance(optimizer, OptimizerState) else []
     counters = np.array([step, epoch, cursor, time.time_ns(),
-                         digest(params + buffers + _replicated(optimizer))], dtype=np.int64)
+                         digest(params + buffers + replicated)], dtype=np.int64)
     every = np.empty((size, counters.size), dtype=np.int64)
     iallgather(comm, counters, every, "checkpoint counters").wait_or_abort(timeout)
     token = int(every[0, 3])
@@ -342,15 +343,6 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     clear_save()  # this rank's pending save request, if any, is served
     return Saved(os.path.join(directory, MANIFEST), int(written[:, 0].sum()),
                  float(written[:, 1].max() / 1e9))
-
-
-def _replicated(optimizer: Any) -> list[Any]:
-    """The optimizer state that is the same on every rank (none for a sharded one)."""
-    if not isinstance(optimizer, OptimizerState) or optimizer.sharded:
-        return []
-    state = optimizer.state_dict()
-    arrays = [a for s in state["state"].values() for a in s.values()]
-    return arrays + ([state["param_steps"]] if "param_steps" in state else [])
 
 
 def _check_replicated(digests: np.ndarray) -> None:

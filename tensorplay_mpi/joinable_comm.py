@@ -150,18 +150,16 @@ def _carried_op(x: Any, op_code: int) -> bool | None:
     """For an allreduce that an announcement can carry: whether its keys are reversed."""
     name = OPS[op_code - 1]
     if (type(x) is not np.ndarray or x.size > _PAYLOAD or name not in _ORDERED
-            or x.dtype.kind not in "biuf" or (name in ("LAND", "LOR") and x.dtype.kind != "b")):
+            or x.dtype.kind not in "biu" or (name in ("LAND", "LOR") and x.dtype.kind != "b")):
         return None
     return _ORDERED[name]
 
 
 def _keys(x: np.ndarray, reverse: bool) -> np.ndarray:
-    """int64 keys in the order of `x`'s values (reversed: bitwise not), so MAX reduces them."""
+    """int64 keys in the order of `x`'s values (reversed: bitwise not), so MAX reduces them;
+    integers and bools (floats arrive as the integers of :func:`_float_keys`)."""
     flat = x.reshape(-1)
-    if x.dtype.kind == "f":  # IEEE order: negative values' magnitude bits flipped
-        bits = flat.view(f"i{x.dtype.itemsize}").astype(np.int64)
-        keys = np.where(bits < 0, bits ^ ((1 << (8 * x.dtype.itemsize - 1)) - 1), bits)
-    elif x.dtype == np.uint64:
+    if x.dtype == np.uint64:
         keys = (flat ^ np.uint64(1 << 63)).view(np.int64)
     else:
         keys = flat.astype(np.int64)
@@ -171,9 +169,6 @@ def _keys(x: np.ndarray, reverse: bool) -> np.ndarray:
 def _from_keys(keys: np.ndarray, dtype: np.dtype, reverse: bool) -> np.ndarray:
     """The values of :func:`_keys`."""
     keys = ~keys if reverse else keys
-    if dtype.kind == "f":
-        bits = np.where(keys < 0, keys ^ ((1 << (8 * dtype.itemsize - 1)) - 1), keys)
-        return bits.astype(f"i{dtype.itemsize}").view(dtype)
     if dtype == np.uint64:
         return keys.view(np.uint64) ^ np.uint64(1 << 63)
     return keys.astype(dtype)

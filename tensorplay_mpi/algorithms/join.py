@@ -367,7 +367,7 @@ class Join:
         self._rounds = 0  # rounds shadowed once joined
         self._entered = False
         self._joining = False
-        self._in_step_everywhere = 0  # depth of code every rank runs at one point (on_save)
+        self._everywhere_depth = 0  # depth of code every rank runs at one point (on_save)
         marks = [joinable._made_join for joinable in self._joinables]
         try:
             for joinable in self._joinables:
@@ -460,16 +460,16 @@ class Join:
         """Around code that every rank, joined or not, runs at this point of the stream
         (``on_save``, DataParallel's ``update=``): a JoinableComm operation inside is a plain
         collective of every rank, neither announced nor followed."""
-        self._in_step_everywhere += 1
+        self._everywhere_depth += 1
         try:
             yield
         finally:
-            self._in_step_everywhere -= 1
+            self._everywhere_depth -= 1
 
     @property
     def runs_everywhere(self) -> bool:
         """Whether code inside :meth:`everywhere` runs now on this rank."""
-        return self._in_step_everywhere > 0
+        return self._everywhere_depth > 0
 
     def _shadow_block(self, index: int) -> None:
         """A joined rank's side of an announced block: the main hook of joinable `index`."""

@@ -217,10 +217,14 @@ class Optimizer(Joinable, OptimizerState):
 
     # -- Joinable ------------------------------------------------------------------------------
 
+    def replicated_state(self) -> list[Any]:
+        """The state and the step counts: the same on every rank."""
+        return [*(a for s in self.state for a in s.values()), np.array([self.steps]),
+                self.param_steps]
+
     def replicated_arrays(self) -> list[Any]:
-        """The parameters, the state and the step count: the same on every rank."""
-        return [*self.params, *(a for s in self.state for a in s.values()),
-                np.array([self.steps])]
+        """The parameters, the state and the step counts: the same on every rank."""
+        return [*self.params, *self.replicated_state()]
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return _OptimizerHook(self)

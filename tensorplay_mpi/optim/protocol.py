@@ -78,6 +78,11 @@ class OptimizerState(ABC):
         """Load what :meth:`shard_state_dict` gave on this rank at the same world size."""
         self.load_state_dict(state_dict)
 
+    def replicated_state(self) -> list[Any]:
+        """The state arrays that are the same on every rank, without copies (a save's
+        cross-rank digest covers them); none for a sharded optimizer."""
+        return []
+
     def shard_owners(self, size: int) -> list[int]:
         """The rank whose part holds each parameter's state at world size `size` (the
         partition every rank computes alike); rank 0 for all, unless :attr:`sharded`."""

@@ -659,10 +659,8 @@ class DataParallel(GuardedJoinable):
                 bucket.flags.fill(1)
             else:
                 self._set_flags(bucket)
-            if step.samples is None:
-                bucket.samples.fill(0)
-            else:  # this rank's mean, weighted by its samples
-                bucket.grads *= step.samples
+            if step.samples is not None:  # this rank's mean, weighted by its samples
+                bucket.grads *= step.samples  # (the slots are zero otherwise: see _divisor)
                 bucket.samples[0], bucket.samples[1] = step.samples, 1
         sendbuf = bucket.zeros if shadow else MPI.IN_PLACE
         step.works.append(iallreduce(
@@ -721,6 +719,7 @@ class DataParallel(GuardedJoinable):
                 f"{int(ranks)} of {step.active} active ranks passed samples= to dp.step() in "
                 f"step {step.number}: every active rank must pass it for the same steps")
         self.samples = int(samples)
+        bucket.samples.fill(0)  # so that the next step sends zeros unless it passes samples
         return max(samples, 1.0)
 
     @contextlib.contextmanager
@@ -747,6 +746,8 @@ class DataParallel(GuardedJoinable):
             while len(step.works) < verdict.progress:
                 self._start_bucket(step, len(step.works))
             self._wait_all(step.works)
+            for bucket in self._buckets:  # no step reads them: the next sends zeros
+                bucket.samples.fill(0)
 
     def _shadow_step(self, divide_by_world: bool) -> None:
         """One active step as a joined rank takes part in it (the hook's main_hook)."""

@@ -41,9 +41,13 @@ def save(comm, directory, kind, value):
 
 
 def loaded_step(comm, directory, kind):
+    """The step of the checkpoint `load` finds; its parameters checked against the ones that
+    save wrote (the same construction, its step's value)."""
     params, opt = make(comm, kind, 0)
     resumed = checkpoint.load(directory, params, optimizer=opt, comm=comm)
-    return resumed.step
+    written = make(comm, kind, resumed.step)[0]
+    whole = all((p == w).all() for p, w in zip(params, written))
+    return resumed.step if whole else -1
 
 
 def inject(monkeypatch, comm, point, ranks):

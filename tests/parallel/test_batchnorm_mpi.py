@@ -100,6 +100,13 @@ def serial_sync_batchnorm(inputs, micro, make_update):
     return model, opt, losses
 
 
+def sync_model(comm):
+    """A JoinableComm, the Net converted to SyncBatchNorm over it, a DataParallel over it."""
+    jc = JoinableComm(comm)
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
+    return jc, model, DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
+
+
 def state(model, opt):
     """Every array of the model (parameters, running statistics) and the optimizer's moments
     (torch's or the library's state dict: the same layout)."""
@@ -199,9 +206,7 @@ def test_a_layer_over_a_plain_communicator_refuses_to_train_inside_a_join(comm):
 
 @pytest.mark.mpi(min_size=2)  # one rank: the layer reduces nothing (no collective to order)
 def test_the_forward_pass_before_the_first_step_is_refused_with_the_remedy(comm):
-    jc = JoinableComm(comm)
-    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
-    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
+    jc, model, dp = sync_model(comm)
     with raises_everywhere(RuntimeError, match=r"inside `with dp.step\(\):`"):
         with Join([dp, jc]):
             model(batch(comm.rank, 0, n=3)[0])
@@ -353,9 +358,7 @@ def test_joinable_comm_operations_in_update_and_on_save_are_collectives_of_every
 
 @pytest.mark.mpi(min_size=2)
 def test_a_one_sample_batch_with_a_rank_joined_ends_the_join_with_its_error_everywhere(comm):
-    jc = JoinableComm(comm)
-    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
-    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
+    jc, model, dp = sync_model(comm)
     with raises_everywhere(ValueError, match="more than 1 value per channel|ValueError"):
         with Join([dp, jc]):
             for t in range(1 if comm.rank == 0 else 2):
@@ -388,9 +391,7 @@ def test_converting_again_with_the_joinable_comm_sets_it_and_the_model_pickles(c
 
 @pytest.mark.mpi
 def test_data_parallel_after_the_joinable_comm_names_the_order(comm):
-    jc = JoinableComm(comm)
-    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
-    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
+    jc, model, dp = sync_model(comm)
     with raises_everywhere(RuntimeError, match="must be the first joinable"):
         with Join([jc, dp]):
             jc.begin_iteration()

@@ -1,6 +1,7 @@
 """A stop or a periodic save requested during ``dp.no_sync()`` accumulation lands at the next
 synchronising step by itself: the natural loop (``join.stopped`` checked every iteration)
-resumes bitwise to the run never stopped, and a periodic save never holds half a group."""
+resumes bitwise to the run never stopped, both equal a serial torch.optim replay of the same
+groups, and a periodic save never holds half a group."""
 
 import copy
 
@@ -10,9 +11,26 @@ from tensorplay_mpi import DataParallel, Join, clear_stop, request_save, request
 from tensorplay_mpi.testing import assert_all, inputs_of
 
 torch = pytest.importorskip("torch")
-from torch_reference import Branchy, arrays, loss_of, same_everywhere  # noqa: E402
+from torch_reference import Branchy, arrays, close, loss_of, same_everywhere  # noqa: E402
 
 GROUP = 2  # micro-steps per synchronising step: GROUP - 1 under no_sync(), then one that syncs
+
+
+def serial(inputs):
+    """One model: each group sums the micro-batches of every rank active in it, divided by the
+    world size, then AdamW steps (what no_sync accumulation and the synchronising step do)."""
+    model = Branchy()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    for t in range(max(inputs)):
+        model.zero_grad(set_to_none=True)
+        for rank in range(len(inputs)):
+            if inputs[rank] > t:
+                for m in range(GROUP):
+                    loss_of(model, rank, GROUP * t + m).backward()
+        for p in model.parameters():
+            p.grad /= len(inputs)
+        opt.step()
+    return model
 
 
 def make(comm, state=None):
@@ -70,6 +88,8 @@ def test_a_stop_during_accumulation_lands_at_the_next_synchronising_step(comm, p
     model, opt, dp = make(comm)
     train(comm, inputs, model, dp)
     reference = arrays(model)
+    expected = arrays(serial(inputs))
+    assert_all(not close(reference, expected), f"never stopped: {close(reference, expected)}")
 
     model, opt, dp = make(comm)
     cursor, join = train(comm, inputs, model, dp, stop_at=GROUP - 1)  # rides a no_sync step
