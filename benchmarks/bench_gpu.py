@@ -19,7 +19,8 @@ import numpy as np
 from bench_dp import median_time
 from mpi4py import MPI
 
-from tensorplay_mpi import DataParallel, Join, buffers
+from tensorplay_mpi import DataParallel, Join
+from tensorplay_mpi.comm import buffers
 from tensorplay_mpi.testing import reset_settings
 
 

@@ -1,28 +1,46 @@
 """tensorplay_mpi: uneven inputs on MPI without hangs (the Join API over mpi4py)."""
 
+from typing import TYPE_CHECKING
+
 from . import checkpoint, comm, data, optim
 from .algorithms.join import Join, Joinable, JoinHook
-from .comm import Work
-from .errors import (CollectiveMismatchError, CollectiveTimeoutError, EarlyTerminationError,
-                     PeerFailureError)
-from .joinable_comm import JoinableComm
+from .algorithms.joinable_comm import JoinableComm
+from .comm.collectives import Work
+from .errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    EarlyTerminationError,
+    PeerFailureError,
+)
 from .optim import SGD, Adam, AdamW, ZeroRedundancyOptimizer
 from .parallel import DataParallel
-from .stopping import (clear_save, clear_stop, keep_stop_signals, request_save, request_stop,
-                       save_requested, stop_on_signals, stop_requested)
+from .stopping import (
+    clear_save,
+    clear_stop,
+    keep_stop_signals,
+    request_save,
+    request_stop,
+    save_requested,
+    stop_on_signals,
+    stop_requested,
+)
+
+if TYPE_CHECKING:  # imported on first use (below): it needs torch
+    from .evaluation.sync_batchnorm import SyncBatchNorm
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    """``SyncBatchNorm`` on first use: ``import tensorplay_mpi`` does not import torch."""
+    """``SyncBatchNorm`` on first use: ``import tensorplay_mpi`` does not import torch (a
+    ``from tensorplay_mpi import *`` does, as it takes every name of ``__all__``)."""
     if name == "SyncBatchNorm":
-        from .sync_batchnorm import SyncBatchNorm
+        from .evaluation.sync_batchnorm import SyncBatchNorm
         return SyncBatchNorm
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
-    "Join", "Joinable", "JoinHook", "Work", "DataParallel", "JoinableComm",
+    "Join", "Joinable", "JoinHook", "Work", "DataParallel", "JoinableComm", "SyncBatchNorm",
     "SGD", "Adam", "AdamW", "ZeroRedundancyOptimizer",
     "CollectiveMismatchError", "CollectiveTimeoutError", "EarlyTerminationError",
     "PeerFailureError", "stop_on_signals", "request_stop", "stop_requested", "clear_stop",

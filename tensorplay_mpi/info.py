@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__
-from .buffers import cuda_aware, loaded_libmpi
+from .comm.buffers import cuda_aware, loaded_libmpi
 from .process import check_launch
 from .threads import decision, limit_threads
 

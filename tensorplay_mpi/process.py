@@ -14,8 +14,8 @@ layer imports this module.  It
 
 Its teardown is one exit hook, registered when this module is imported (after mpi4py's own, so
 that it runs before ``MPI_Finalize``): the operations still pending in the registry of
-:mod:`tensorplay_mpi.work` are completed, or the job is aborted if they never can be; then
-the persistent requests still kept are freed (:func:`tensorplay_mpi.persistent.free_all`),
+:mod:`tensorplay_mpi.comm.work` are completed, or the job is aborted if they never can be; then
+the persistent requests still kept are freed (:func:`tensorplay_mpi.comm.persistent.free_all`),
 and the stop signals of :func:`~tensorplay_mpi.stopping.keep_stop_signals` are ignored from
 then on (a signal during ``MPI_Finalize`` would otherwise end a finished job with its default
 action).
@@ -47,11 +47,11 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
-from .persistent import free_all
+from .comm.persistent import free_all
+from .comm.work import complete_all_at_exit, outstanding_requests
 from .settings import settings
 from .stopping import ignore_kept_signals
 from .threads import limit_threads
-from .work import complete_all_at_exit, outstanding_requests
 
 __all__ = ["set_up", "launch_problem", "check_launch", "install_excepthook", "State", "STATE",
            "reset_state"]
@@ -170,12 +170,12 @@ STATE: tuple[State, ...] = (
           "tensorplay_mpi.settings:settings.cache_clear"),
     State("the unknown TENSORPLAY_MPI_* names already warned about", "settings.py",
           "tensorplay_mpi.settings:_warned.clear"),
-    State("the CUDA-awareness decision (cached)", "buffers.py",
-          "tensorplay_mpi.buffers:cuda_aware.cache_clear"),
+    State("the CUDA-awareness decision (cached)", "comm/buffers.py",
+          "tensorplay_mpi.comm.buffers:cuda_aware.cache_clear"),
     State("the ranks on this node, the BLAS thread decision", "threads.py",
           "tensorplay_mpi.threads:forget_decision"),
     State("the registry of pending operations, its progress threshold, its sweep count",
-          "work.py", "",
+          "comm/work.py", "",
           "must be empty: reset_state() raises otherwise"),
     State("the excepthook", "process.py", "tensorplay_mpi.process:_uninstall_excepthook"),
     State("the exit hook that completes pending operations and frees persistent requests",
@@ -186,20 +186,20 @@ STATE: tuple[State, ...] = (
     State("this rank's save request", "stopping.py", "tensorplay_mpi.stopping:clear_save"),
     State("the handlers of keep_stop_signals()", "stopping.py", "",
           "kept until the program ends, by design"),
-    State("whether MPI has persistent collectives (cached)", "persistent.py",
-          "tensorplay_mpi.persistent:supported.cache_clear"),
-    State("the live persistent collectives (weak)", "persistent.py", "",
+    State("whether MPI has persistent collectives (cached)", "comm/persistent.py",
+          "tensorplay_mpi.comm.persistent:supported.cache_clear"),
+    State("the live persistent collectives (weak)", "comm/persistent.py", "",
           "weak: their requests are freed with them, or at exit"),
-    State("the entered Joins, and those whose on_save runs", "algorithms/join.py", "",
+    State("the entered Joins, and those whose on_save runs", "algorithms/requests.py", "",
           "empty after every Join"),
-    State("the guard attribute's key (the guards live on their communicators)", "guard.py", "",
+    State("the guard attribute's key (the guards live on their communicators)", "comm/guard.py", "",
           "freed with each communicator"),
     State("the verdicts' communicator, debug mode by the plugin", "testing.py", "",
           "the test session's"),
     State("the attribute on users' torch parameters (a weak reference to their binding)",
           "parallel/torch_grads.py", "", "weak: dead with their DataParallel"),
     State("the attribute on a SyncBatchNorm layer's parameters (a weak reference to the "
-          "layer, for DataParallel's Join check)", "sync_batchnorm.py", "",
+          "layer, for DataParallel's Join check)", "evaluation/sync_batchnorm.py", "",
           "weak: dead with the layer; not pickled"),
     State("whether the fused kernels (numba) import; compiled CuPy kernels", "optim/rules.py",
           "tensorplay_mpi.optim.rules:_import_fused.cache_clear"),

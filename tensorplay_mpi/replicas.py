@@ -17,8 +17,8 @@ from typing import Any, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from .buffers import is_device_array
-from .comm import iallgather
+from .comm.buffers import is_device_array
+from .comm.collectives import iallgather
 
 __all__ = ["digest", "check_replicas"]
 

@@ -29,11 +29,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 from mpi4py import MPI
 
-from .agreement import agree
-from .buffers import cuda_aware
+from .comm.agreement import agree
+from .comm.buffers import cuda_aware
+from .comm.work import Work, outstanding_requests
 from .process import reset_state
 from .settings import settings
-from .work import Work, outstanding_requests
 
 __all__ = ["assert_all", "raises_everywhere", "PATTERNS", "inputs_of", "active_counts",
            "mpiexec_path", "run_mpi", "run_at_sizes", "debug_mode", "reset_settings",
@@ -48,7 +48,7 @@ def assert_all(ok: Any, detail: Any = "") -> None:
     """Fail on every rank if `ok` is false on any rank, naming those ranks and their `detail`.
 
     Collective over ``COMM_WORLD``: every rank must call it at the same point.  The verdicts
-    meet through :func:`~tensorplay_mpi.agreement.agree`: a rank whose `ok` is false raises
+    meet through :func:`~tensorplay_mpi.comm.agreement.agree`: a rank whose `ok` is false raises
     ``AssertionError("rank R: DETAIL")``; the others an ``AssertionError`` naming the failed
     ranks and quoting their details.
     """
@@ -185,7 +185,7 @@ def debug_mode(enabled: bool = True) -> None:
 def reset_settings() -> None:
     """Make the library read its ``TENSORPLAY_MPI_*`` variables again, for a test that changed
     them: the cached :func:`~tensorplay_mpi.settings.settings` and the decision made from them
-    (:func:`~tensorplay_mpi.buffers.cuda_aware`).  The BLAS thread limit, applied once per
+    (:func:`~tensorplay_mpi.comm.buffers.cuda_aware`).  The BLAS thread limit, applied once per
     process (:mod:`tensorplay_mpi.threads`), stays."""
     settings.cache_clear()
     cuda_aware.cache_clear()

@@ -8,7 +8,7 @@ counts what the library does to it: stream synchronisations (through the patched
 
 import numpy as np
 
-from tensorplay_mpi import buffers
+from tensorplay_mpi.comm import buffers
 from tensorplay_mpi.testing import reset_settings
 
 STREAM = 0x5EED  # the fake stream every fake array says it was produced on

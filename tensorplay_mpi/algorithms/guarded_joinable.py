@@ -8,9 +8,9 @@ from typing import Any, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from ..agreement import agree
-from ..comm import Work, check_comm, default_comm, iallgather, resolve_timeout
-from ..guard import Guard
+from ..comm.agreement import agree
+from ..comm.collectives import Work, check_comm, default_comm, iallgather, resolve_timeout
+from ..comm.guard import Guard
 from ..process import set_up
 from .join import Joinable
 
@@ -65,7 +65,7 @@ class GuardedJoinable(Joinable):
                          **values: int | float) -> None:
         """The construction check: raise on every rank unless every rank's arguments agree.
 
-        Collective over ``comm``: one :func:`~tensorplay_mpi.agreement.agree` (an
+        Collective over ``comm``: one :func:`~tensorplay_mpi.comm.agreement.agree` (an
         ``Iallgather``) of what this rank refused (`refused`, the TypeError or ValueError its
         own checks raised), a digest of `layout`, and each of `values`.  A rank that refused
         raises its own error; the others raise the same kind naming it.  Then different

@@ -5,9 +5,8 @@ all nonblocking; the documentation's "Wire protocol" page has every joinable's s
 
 - active rank, each iteration: every joinable's :meth:`Joinable.end_iteration` (list order),
   then ``Iallreduce([1], SUM)`` (the heartbeat), then the iteration's collectives, joinable by
-  joinable in list order.  The heartbeat is a bit field: bits 0-23 count the active ranks
-  (1), bits 24-43 the ranks that ask to stop, bits 44-62 the ranks that ask for a save
-  (:mod:`tensorplay_mpi.stopping`); so a rank with a pending stop request sends ``1 + 2**24``;
+  joinable in list order.  The heartbeat's higher bits carry stop and save requests
+  (:mod:`tensorplay_mpi.algorithms.requests`, which owns them and ``on_save``);
 - on leaving the block: every ``end_iteration`` once more, then the joined loop.  Joined rank,
   each round: ``Iallreduce([0], SUM)`` (plus the request bits) + wait gives the
   number of active ranks ``n`` (the low field); ``n == 0`` ends the loop, else every main hook
@@ -35,49 +34,19 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 from mpi4py import MPI
 
-from ..buffers import check_device
-from ..comm import Work, check_comm, iallreduce, resolve_timeout
+from ..comm.buffers import check_device
+from ..comm.collectives import Work, check_comm, iallreduce, resolve_timeout
+from ..comm.guard import Guard
+from ..comm.work import complete_pending
+from .requests import Requests
 from ..errors import EarlyTerminationError
-from ..guard import Guard
 from ..process import set_up
 from ..replicas import check_replicas
-from ..stopping import clear_save, save_requested, stop_requested
-from ..work import complete_pending
 
 __all__ = ["Join", "Joinable", "JoinHook"]
 
 SKEW_WARN_ROUNDS = 1000
 """A joined rank that shadows more rounds than this warns once about the input skew."""
-
-_ACTIVE_BITS, _STOP_BITS = 24, 20  # the heartbeat's fields: active count, stops, saves
-_STOP = 1 << _ACTIVE_BITS
-"""What a stop request adds to a heartbeat or poll (bits 24-43 count the requests)."""
-_SAVE = 1 << (_ACTIVE_BITS + _STOP_BITS)
-"""What a save request adds to a heartbeat or poll (bits 44-62 count the requests)."""
-
-
-def _constant(value: int) -> np.ndarray:
-    array = np.full(1, value, dtype=np.int64)
-    array.flags.writeable = False  # shared read-only send buffer of every heartbeat
-    return array
-
-
-# the heartbeat by (a stop is requested, a save is requested)
-_HEARTBEAT = {(stop, save): _constant(1 + stop * _STOP + save * _SAVE)
-              for stop in (False, True) for save in (False, True)}
-
-_running: list["Join"] = []  # the entered, enabled Joins of this process, innermost last
-_saving: list["Join"] = []  # the Joins whose on_save runs now
-
-
-def running_join() -> "Join | None":
-    """The innermost entered, enabled Join of this process whose ``on_save`` is not running
-    now, else ``None``: where a collective of the caller's would cross-match a joined rank's."""
-    for join in reversed(_running):
-        if join not in _saving:
-            return join
-    return None
-
 
 class JoinHook:
     """What a joinable does on a rank that has run out of inputs.
@@ -259,7 +228,7 @@ class Join:
     ``notify_join_context`` outside the block returns ``None``.  An exception inside the
     block propagates unchanged and no hook runs; the other ranks learn of it inside their
     next library wait and raise :class:`~tensorplay_mpi.errors.PeerFailureError` (see
-    :mod:`tensorplay_mpi.guard`).
+    :mod:`tensorplay_mpi.comm.guard`).
 
     A stop request on any rank (a signal under :func:`~tensorplay_mpi.stop_on_signals`, or
     :func:`~tensorplay_mpi.request_stop`) rides in the next heartbeat: :attr:`stopped`
@@ -340,7 +309,6 @@ class Join:
         self._check_joinables()
         if on_save is not None and not callable(on_save):
             raise TypeError(f"on_save must be a callable or None, got {type(on_save).__name__}")
-        self._on_save = on_save
         self._comm: MPI.Intracomm = self._joinables[0].join_process_group
         self._rank = self._comm.Get_rank()
         for joinable in self._joinables:
@@ -359,11 +327,7 @@ class Join:
         self._count = np.zeros(1, dtype=np.int64)  # the one buffer of every poll/throw pair
         self._guard: Guard | None = None
         self._iterations = 0  # heartbeats sent
-        self._stops = 0  # the most ranks any completed heartbeat or poll said asked to stop
-        self._asked: str | None = None  # this rank's request, once a heartbeat or poll sent it
-        self._save_due = False  # a completed heartbeat or poll carried a save request
-        self._save_sent = False  # this rank's save request went out in a heartbeat or poll
-        self._saves = 0  # times on_save ran
+        self._requests = Requests(on_save, self._deferring)
         self._rounds = 0  # rounds shadowed once joined
         self._entered = False
         self._joining = False
@@ -415,7 +379,7 @@ class Join:
         for joinable in self._joinables:
             joinable._set_join_context(self)
         if self._enable:
-            _running.append(self)
+            Requests.entered(self)
         return self
 
     # -- the public view joinables read -----------------------------------------------------
@@ -505,7 +469,7 @@ class Join:
         """
         if self._enable and not self._joining and self._heartbeats:
             self._heartbeats[-1].wait_or_abort(self._timeout)
-        return self._stops > 0 and not self._deferring()
+        return self._requests.stopped
 
     def _deferring(self) -> bool:
         """Whether a joinable asks requests to wait (gradients accumulated under no_sync):
@@ -516,11 +480,9 @@ class Join:
     def stop_reason(self) -> str | None:
         """Why the Join stopped, when :attr:`stopped`: this rank's own request (``"SIGTERM"``,
         ...) or how many other ranks asked; else ``None``."""
-        if not self.stopped:
+        if not self.stopped:  # waits for the latest heartbeat
             return None
-        if self._asked is not None:
-            return self._asked
-        return f"a stop requested by {self._stops} other rank(s)"
+        return self._requests.stop_reason
 
     @property
     def save_due(self) -> bool:
@@ -533,7 +495,7 @@ class Join:
         """
         if self._enable and not self._joining and self._heartbeats:
             self._heartbeats[-1].wait_or_abort(self._timeout)
-        return self._save_due and not self._deferring()
+        return self._requests.save_due
 
     @property
     def iterations(self) -> int:
@@ -544,7 +506,7 @@ class Join:
     @property
     def saves(self) -> int:
         """How many times this Join ran ``on_save`` on this rank (the same on every rank)."""
-        return self._saves
+        return self._requests.saves
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
@@ -556,14 +518,14 @@ class Join:
                 try:
                     self._finish_iterations()
                     self._wait_heartbeats()
-                    self._run_due_save()
+                    self._requests.run_due_save(self)
                     self._join_loop()
+                    self._requests.finish()
                 except BaseException as error:
                     self._settle(error)
                     raise
         finally:
-            if self in _running:
-                _running.remove(self)
+            Requests.exited(self)
             for joinable in self._joinables:
                 joinable._set_join_context(None)
             if self._guard is not None:
@@ -628,15 +590,14 @@ class Join:
 
     def _heartbeat(self) -> Work:
         self._finish_iterations()
-        if self._on_save is not None and self._heartbeats:
+        if self._requests.has_on_save and self._heartbeats:
             self._heartbeats[-1].wait_or_abort(self._timeout)  # did it carry a save request?
-            self._run_due_save()
+            self._requests.run_due_save(self)
         self._heartbeats = [w for w in self._heartbeats if not w.is_completed()]
         self._iterations += 1
         recv = np.empty(1, dtype=np.int64)
-        send = _HEARTBEAT[self._asks_to_stop(), self._asks_to_save()]
-        work = iallreduce(self._comm, send, recv, MPI.SUM,
-                          f"heartbeat (iteration {self._iterations})", finish=self._read_count)
+        work = iallreduce(self._comm, self._requests.heartbeat(), recv, MPI.SUM,
+                          f"heartbeat (iteration {self._iterations})", finish=self._requests.read)
         self._heartbeats.append(work)
         if self._throw_on_early_termination and self._sum_over_ranks(
                 0, f"throw check (iteration {self._iterations})")[0] > 0:
@@ -644,41 +605,6 @@ class Join:
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks."
             )
         return work
-
-    def _asks_to_stop(self) -> bool:
-        """Whether this rank's next heartbeat or poll carries a stop request (noting why)."""
-        self._asked = self._asked or stop_requested()
-        return self._asked is not None
-
-    def _asks_to_save(self) -> bool:
-        """Whether this rank's next heartbeat or poll carries a save request (noting it)."""
-        self._save_sent = self._save_sent or save_requested() is not None
-        return self._save_sent
-
-    def _read_count(self, buf: np.ndarray) -> int:
-        """The number of active ranks in a heartbeat's or poll's sum; notes the requests."""
-        total = int(buf[0])
-        self._stops = max(self._stops, (total >> _ACTIVE_BITS) & (_SAVE // _STOP - 1))
-        self._save_due = self._save_due or total >= _SAVE
-        return total & (_STOP - 1)
-
-    def _run_due_save(self) -> None:
-        """Run ``on_save`` if a save is due and the Join has not stopped (a stop's own save
-        follows); every rank decides on the same heartbeats, so at the same boundary."""
-        if not self._save_due or self._on_save is None or self._stops > 0 \
-                or self._deferring():
-            return
-        self._save_due = False
-        _saving.append(self)
-        try:
-            with self.everywhere():
-                self._on_save()
-        finally:
-            _saving.remove(self)
-        self._saves += 1
-        if self._save_sent:
-            self._save_sent = False
-            clear_save()
 
     def _finish_iterations(self) -> None:
         for joinable in self._joinables:
@@ -711,9 +637,8 @@ class Join:
                     "degradation.",
                     stacklevel=3,
                 )
-            asks = _STOP * self._asks_to_stop() + _SAVE * self._asks_to_save()
-            if self._read_count(self._sum_over_ranks(
-                    asks, f"poll (round {rounds + 1} after joining)")) == 0:
+            if self._requests.read(self._sum_over_ranks(
+                    self._requests.poll(), f"poll (round {rounds + 1} after joining)")) == 0:
                 break
             if self._throw_on_early_termination:
                 self._sum_over_ranks(1, "throw notice")
@@ -722,8 +647,8 @@ class Join:
                 hook.main_hook()
             rounds += 1
             self._rounds = rounds
-            self._run_due_save()
+            self._requests.run_due_save(self)
             is_last_joiner = False
         for hook in self._join_hooks:
             hook.post_hook(is_last_joiner)
-        self._run_due_save()
+        self._requests.run_due_save(self)

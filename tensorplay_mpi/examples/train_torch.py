@@ -18,8 +18,8 @@ buffers identical on every rank.
 
 ``--checkpoint DIR`` stops and resumes exactly as in :mod:`tensorplay_mpi.examples.train`: a
 signal stops every rank at one step, the job saves the parameters, the buffers, the optimizer's
-and the scheduler's state (:mod:`tensorplay_mpi.torch_state`) and exits 75; the same command
-resumes and ends with the digest of a run never stopped (parameters and buffers).
+and the scheduler's state (:mod:`tensorplay_mpi.checkpoint.torch_state`) and exits 75; the same
+command resumes and ends with the digest of a run never stopped (parameters and buffers).
 ``--save-every STEPS`` also saves every STEPS steps through the Join's ``on_save``, so a run
 killed with SIGKILL resumes from the last one.  CPU only (``--device cuda`` exits with a
 message: torch GPU tensors are not supported, use ``examples.train --device cuda``).
@@ -37,14 +37,30 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import (DataParallel, Join, JoinableComm, checkpoint, request_save,
-                            stop_on_signals, torch_state)
+from tensorplay_mpi import (
+    DataParallel,
+    Join,
+    JoinableComm,
+    checkpoint,
+    request_save,
+    stop_on_signals,
+)
+from tensorplay_mpi.checkpoint import torch_state
 from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.data import batches, shard, shard_sizes
 from tensorplay_mpi.examples.evaluation import validate
 
-from .train import MISSING_SKLEARN, STOPPED, epoch_done, header, init_mlp, load_digits_split, \
-    make_parser, report, stopped
+from .train import (
+    MISSING_SKLEARN,
+    STOPPED,
+    epoch_done,
+    header,
+    init_mlp,
+    load_digits_split,
+    make_parser,
+    report,
+    stopped,
+)
 
 MISSING_TORCH = ("the torch demo needs PyTorch: pip install 'tensorplay-mpi[torch,examples]', "
                  "or from a clone pip install -e '.[torch,examples]'")
@@ -126,7 +142,7 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
     model = make_model(x_train.shape[1], args.hidden, 10, args.seed, args.norm)
     joinables: list[Any] = []
     if args.norm == "sync":  # the statistics are operations of a JoinableComm in the Join
-        from tensorplay_mpi.sync_batchnorm import SyncBatchNorm
+        from tensorplay_mpi import SyncBatchNorm
 
         joinables.append(JoinableComm(comm))
         model = SyncBatchNorm.convert_sync_batchnorm(model, joinables[0])

@@ -22,12 +22,12 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.join import Join, Joinable, JoinHook
-from ..buffers import device_of, zeros_like
-from ..comm import check_comm
-from ..gradient_link import GradientViews, PlaceCheck, comm_of, used_of
-from ..tensors import as_arrays
-from . import rules
+from ..comm.buffers import device_of, zeros_like
+from ..comm.collectives import check_comm
+from ..comm.tensors import as_arrays
+from ..parallel.gradient_link import GradientViews, PlaceCheck, comm_of, used_of
 from ..process import set_up
+from . import rules
 from .clip import clip_grad_norm
 from .protocol import OptimizerState, check_params, check_state
 

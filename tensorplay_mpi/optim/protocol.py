@@ -24,7 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
-from ..buffers import check_disjoint
+from ..comm.buffers import check_disjoint
 
 __all__ = ["OptimizerState", "check_params", "check_state", "is_writeable"]
 

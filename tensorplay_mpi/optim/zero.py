@@ -20,10 +20,10 @@ from mpi4py import MPI
 
 from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join, JoinHook
-from ..buffers import check_disjoint, device_of, zeros_like
-from ..comm import Work, ibcast, irecv, isend
-from ..gradient_link import GradientViews, PlaceCheck, comm_of, used_of
-from ..tensors import as_arrays
+from ..comm.buffers import check_disjoint, device_of, zeros_like
+from ..comm.collectives import Work, ibcast, irecv, isend
+from ..comm.tensors import as_arrays
+from ..parallel.gradient_link import GradientViews, PlaceCheck, comm_of, used_of
 from .clip import clip_grad_norm
 from .local import Adam, Optimizer
 from .protocol import OptimizerState, check_params, check_state, is_writeable

@@ -1,6 +1,6 @@
 """Data parallelism: gradient averaging in buckets as a Joinable."""
 
-from ..gradient_link import GradientViews
 from .data_parallel import DataParallel
+from .gradient_link import GradientViews
 
 __all__ = ["DataParallel", "GradientViews"]

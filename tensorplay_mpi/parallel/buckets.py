@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import zeros_like
+from ..comm.buffers import zeros_like
 
 __all__ = ["Bucket", "make_buckets"]
 

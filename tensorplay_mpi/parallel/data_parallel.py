@@ -42,11 +42,11 @@ from mpi4py import MPI
 
 from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join, JoinHook
-from ..buffers import check_disjoint, device_of, is_device_array
-from ..comm import Work, iallreduce, ibcast
-from ..tensors import JOIN_CHECK, as_array, as_arrays, is_tensor, like
-from ..gradient_link import GradientViews, PlaceCheck, in_join
+from ..comm.buffers import check_disjoint, device_of, is_device_array
+from ..comm.collectives import Work, iallreduce, ibcast
+from ..comm.tensors import JOIN_CHECK, as_array, as_arrays, is_tensor, like
 from .buckets import make_buckets
+from .gradient_link import GradientViews, PlaceCheck, in_join
 from .torch_grads import TorchGradients, check_unbound, frozen_mask
 
 __all__ = ["DataParallel"]

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from ..tensors import is_tensor
+from ..comm.tensors import is_tensor
 
 __all__ = ["TorchGradients", "check_unbound", "frozen_mask"]
 

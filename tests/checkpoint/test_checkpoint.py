@@ -10,6 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from tensorplay_mpi import SGD, Adam, AdamW, checkpoint
+from tensorplay_mpi.checkpoint import store
 
 SELF = MPI.COMM_SELF
 
@@ -138,7 +139,7 @@ def test_another_optimizer_or_none_is_refused(tmp_path):
 
 def test_another_format_is_refused(tmp_path, monkeypatch):
     checkpoint.save(tmp_path, params(), comm=SELF)
-    monkeypatch.setattr(checkpoint, "FORMAT", 2)
+    monkeypatch.setattr(store, "FORMAT", 2)
     with pytest.raises(ValueError, match="checkpoint format 1, this version reads format 2"):
         checkpoint.load(tmp_path, params(), comm=SELF)
 

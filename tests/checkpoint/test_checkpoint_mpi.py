@@ -8,6 +8,7 @@ from helpers import gathered_equal
 from linear import gradient, initial_params, make_problem, rank_batches
 
 from tensorplay_mpi import Adam, DataParallel, Join, ZeroRedundancyOptimizer, checkpoint
+from tensorplay_mpi.checkpoint import store
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 
@@ -109,7 +110,7 @@ def test_a_write_error_on_one_rank_is_an_error_on_every_rank(comm, tmp_path, mon
     if comm.rank == failing:
         def full_disk(path, arrays):
             raise OSError(28, "No space left on device")
-        monkeypatch.setattr(checkpoint, "_write", full_disk)
+        monkeypatch.setattr(store, "write_arrays", full_disk)
     with raises_everywhere(OSError, match="No space left on device") as raised:
         checkpoint.save(directory, [p + 1 for p in params], optimizer=opt, step=2, zero=zero,
                         comm=comm)
@@ -131,7 +132,7 @@ def test_a_read_error_on_one_rank_is_an_error_everywhere_and_loads_nothing(comm,
     if comm.rank == comm.size - 1:
         def unreadable(path):
             raise PermissionError(13, "Permission denied", path)
-        monkeypatch.setattr(checkpoint, "_read", unreadable)
+        monkeypatch.setattr(store, "read_arrays", unreadable)
     mine = [np.full_like(p, 9.0) for p in initial_params()]
     with raises_everywhere(OSError, match="Permission denied"):
         checkpoint.load(directory, mine, comm=comm)

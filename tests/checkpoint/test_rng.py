@@ -1,10 +1,11 @@
-"""tensorplay_mpi.rng: a generator's state as a plain array, through a checkpoint, exactly."""
+"""tensorplay_mpi.checkpoint.rng: a generator's state as a plain array, through a checkpoint,
+exactly."""
 
 import numpy as np
 import pytest
 
 from tensorplay_mpi import checkpoint
-from tensorplay_mpi.rng import rng_state, set_rng_state
+from tensorplay_mpi.checkpoint.rng import rng_state, set_rng_state
 
 NUMPY_GENERATORS = {
     "Generator(PCG64)": lambda: np.random.default_rng(5),

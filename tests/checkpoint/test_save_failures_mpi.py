@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tensorplay_mpi import SGD, Adam, DataParallel, ZeroRedundancyOptimizer, checkpoint
+from tensorplay_mpi.checkpoint import store
 from tensorplay_mpi.testing import assert_all
 
 SHAPES = [(4,), (3, 3), (5,)]
@@ -55,13 +56,13 @@ def inject(monkeypatch, comm, point, ranks):
     if comm.rank not in ranks:
         return
     if point == "shard write":
-        real = checkpoint._write
+        real = store.write_arrays
 
         def write(path, arrays):
             if "optimizer-shard" in os.path.basename(path):
                 raise Injected("shard write")
             return real(path, arrays)
-        monkeypatch.setattr(checkpoint, "_write", write)
+        monkeypatch.setattr(store, "write_arrays", write)
     elif point == "directory fsync after the rename":
         real_replace, real_fsync = os.replace, os.fsync
         renamed = []
@@ -74,11 +75,11 @@ def inject(monkeypatch, comm, point, ranks):
             if renamed and renamed[-1]:
                 raise OSError(errno.EIO, "injected EIO")
             return real_fsync(fd)
-        monkeypatch.setattr(checkpoint.os, "replace", replace)
-        monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+        monkeypatch.setattr(store.os, "replace", replace)
+        monkeypatch.setattr(store.os, "fsync", fsync)
     else:  # "interrupt after agreement N": the agreement completes, then Ctrl-C
         wanted = int(point.rsplit(" ", 1)[1])
-        real, count = checkpoint._agree, [0]
+        real, count = store.agree_or_raise, [0]
 
         def agree(*args, **kwargs):
             values = real(*args, **kwargs)
@@ -86,7 +87,7 @@ def inject(monkeypatch, comm, point, ranks):
             if count[0] == wanted:
                 raise KeyboardInterrupt
             return values
-        monkeypatch.setattr(checkpoint, "_agree", agree)
+        monkeypatch.setattr(store, "agree_or_raise", agree)
 
 
 POINTS = ["shard write", "directory fsync after the rename", "interrupt after agreement 1",

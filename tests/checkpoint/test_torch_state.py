@@ -8,7 +8,8 @@ the result is bitwise the run never interrupted.
 import numpy as np
 import pytest
 
-from tensorplay_mpi import checkpoint, torch_state
+from tensorplay_mpi import checkpoint
+from tensorplay_mpi.checkpoint import torch_state
 
 torch = pytest.importorskip("torch")
 

@@ -8,7 +8,7 @@ from mpi4py import MPI
 from toys import AllReducer
 
 from tensorplay_mpi import Join, JoinableComm
-from tensorplay_mpi.joinable_comm import _digest
+from tensorplay_mpi.algorithms.announcements import SLOTS, decode, digest
 from tensorplay_mpi.testing import assert_all, raises_everywhere, run_mpi
 
 PROGRAM = str(PROGRAMS / "jc_misuse.py")
@@ -173,15 +173,13 @@ def test_an_operation_inside_dp_step_with_a_joined_rank_is_ordered_by_the_stream
     (None, "not one operation"),  # no announcement at all: a gradient bucket, say
 ])
 def test_a_joined_rank_checks_what_it_receives(fields, message):
-    jc = JoinableComm(MPI.COMM_SELF)  # one rank: the announcement allreduce returns its input
-    slots = jc._announcement.size
     if fields is None:
-        jc._announcement[:] = np.arange(slots, dtype=np.float64).view(np.int64)
+        received = np.arange(SLOTS, dtype=np.float64).view(np.int64)
     else:
-        digest = _digest(fields)
-        jc._announcement[:] = fields + (digest, -digest, 0, 0) + (0,) * (slots - 10)
+        signature = digest(fields)
+        received = np.array(fields + (signature, -signature, 0, 0) + (0,) * (SLOTS - 10))
     with pytest.raises(RuntimeError, match=message):
-        jc._exchange_announcement()
+        decode(received, 1, "the announcement")
 
 
 @pytest.mark.mpi(min_size=2)

@@ -9,7 +9,8 @@ from helpers import UNEVEN
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join, JoinableComm, Work
-from tensorplay_mpi.joinable_comm import _float_keys, _float_values, _from_keys, _keys, identity
+from tensorplay_mpi.algorithms.announcements import (float_keys, float_values, from_order_keys,
+                                                     identity, order_keys)
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 NUMPY_OPS = {"SUM": np.add, "PROD": np.multiply, "MAX": np.maximum, "MIN": np.minimum,
@@ -159,14 +160,14 @@ def test_keys_that_announcements_carry_keep_the_order_of_the_values(dtype):
     a = np.array(special, dtype)
     b = np.random.default_rng(0).permutation(a)
     for reduce, reverse in ((np.maximum, False), (np.minimum, True)):
-        if dtype.kind == "f":  # floats travel as the integer keys of _float_keys first
-            ka, kb = _float_keys(a, not reverse), _float_keys(b, not reverse)
-            keys = _from_keys(np.maximum(_keys(ka, reverse), _keys(kb, reverse)), ka.dtype,
-                              reverse)
-            carried = _float_values(keys, dtype)
+        if dtype.kind == "f":  # floats travel as the integer keys of float_keys first
+            ka, kb = float_keys(a, not reverse), float_keys(b, not reverse)
+            keys = from_order_keys(np.maximum(order_keys(ka, reverse), order_keys(kb, reverse)),
+                                   ka.dtype, reverse)
+            carried = float_values(keys, dtype)
         else:
-            carried = _from_keys(np.maximum(_keys(a, reverse), _keys(b, reverse)), dtype,
-                                 reverse)
+            carried = from_order_keys(np.maximum(order_keys(a, reverse), order_keys(b, reverse)),
+                                      dtype, reverse)
         assert carried.dtype == dtype and carried.tobytes() == reduce(a, b).tobytes(), reduce
 
 

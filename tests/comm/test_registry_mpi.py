@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tensorplay_mpi import work as registry
+from tensorplay_mpi.comm import work as registry
 from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.testing import assert_all
 

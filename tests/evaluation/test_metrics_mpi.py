@@ -232,7 +232,7 @@ def test_a_copied_metric_or_model_shares_the_joinable_comm(comm):
     pytest.importorskip("torchmetrics")
     from torchmetrics import MeanSquaredError
 
-    from tensorplay_mpi.sync_batchnorm import SyncBatchNorm
+    from tensorplay_mpi.evaluation.sync_batchnorm import SyncBatchNorm
 
     jc = JoinableComm(comm)
     metric = MeanSquaredError(**sync_options(jc)).clone()

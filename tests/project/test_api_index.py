@@ -31,14 +31,12 @@ def _table(heading_text, first_header):
 
 def _modules():
     """Every module of the package, as its path below tensorplay_mpi/ (``algorithms/join.py``);
-    a subpackage's ``__init__.py`` (re-exports) only where a folder row covers it."""
+    a subpackage's ``__init__.py`` (re-exports) only where a row names it or a folder row
+    covers it."""
     paths = (str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
+    named = {name for names in _layout_rows() for name in names}
     return sorted(p for p in paths if "/" not in p or not p.endswith("/__init__.py")
-                  or (PACKAGE / p).parent.name + "/" in _folder_rows())
-
-
-def _folder_rows():
-    return {name for names in _layout_rows() for name in names if name.endswith("/")}
+                  or p in named or (PACKAGE / p).parent.name + "/" in named)
 
 
 def _row_of(module, rows):
@@ -64,13 +62,26 @@ def test_every_module_on_disk_has_a_row_and_every_row_a_module():
     assert not absent, f"the layout table names modules that do not exist: {absent}"
 
 
+def _runtime_nodes(tree):
+    """Every node of `tree` but those under ``if TYPE_CHECKING:`` (annotations only: a
+    module may name a type of a row below it, as ``algorithms/requests.py`` names ``Join``)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
 def _imports(module):
     """The package modules `module` imports (paths below tensorplay_mpi/); the facade
     (``tensorplay_mpi/__init__.py``) left out."""
     path = PACKAGE / module
     parts = list(Path(module).parent.parts)
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if not isinstance(node, ast.ImportFrom):
             continue
         if node.level:
@@ -90,6 +101,11 @@ def _imports(module):
                 found.add(candidate)
                 break
     return found
+
+
+def test_the_package_root_holds_at_most_15_modules():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 15, f"{len(root)} modules at the package root: {root}"
 
 
 def test_each_module_imports_only_its_row_and_the_rows_above():

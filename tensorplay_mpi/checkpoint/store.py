@@ -28,17 +28,16 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .agreement import agree
-from .algorithms.join import running_join
-from .buffers import is_device_array
-from .checkpoint_meta import check_config, check_savable, encode_config
-from .comm import check_comm, default_comm, iallgather, resolve_timeout
-from .guard import Guard
-from .process import set_up
-from .replicas import digest
-from .stopping import clear_save
-from .optim.protocol import OptimizerState
-from .tensors import as_array, as_arrays
+from ..algorithms.requests import running_join
+from ..comm.agreement import agree
+from ..comm.buffers import is_device_array
+from ..comm.collectives import check_comm, default_comm, iallgather, resolve_timeout
+from ..comm.guard import Guard
+from ..comm.tensors import as_array, as_arrays
+from ..optim.protocol import OptimizerState
+from ..process import set_up
+from ..replicas import digest
+from .meta import check_config, check_savable, encode_config
 
 __all__ = ["save", "load", "Saved", "Resumed", "MANIFEST"]
 
@@ -97,10 +96,10 @@ def _refuse_inside_join(what: str) -> None:
 # -- agreement -----------------------------------------------------------------------------------
 
 
-def _agree(comm: MPI.Intracomm, error: BaseException | None, what: str, timeout: float,
-           *values: int) -> np.ndarray:
+def agree_or_raise(comm: MPI.Intracomm, error: BaseException | None, what: str,
+                   timeout: float, *values: int) -> np.ndarray:
     """Every rank's `values` (a row per rank; the column itself for one value), once every
-    rank has told whether its part of `what` failed (:func:`~tensorplay_mpi.agreement.agree`:
+    rank has told whether its part of `what` failed (:func:`~tensorplay_mpi.comm.agreement.agree`:
     a rank whose part failed raises its own `error`; the others an exception of the same kind
     naming the failed ranks)."""
     every = agree(lambda row, every: iallgather(comm, row, every, what), comm.Get_rank(),
@@ -111,7 +110,7 @@ def _agree(comm: MPI.Intracomm, error: BaseException | None, what: str, timeout:
 # -- files ---------------------------------------------------------------------------------------
 
 
-def _write(path: str, arrays: Mapping[str, np.ndarray]) -> int:
+def write_arrays(path: str, arrays: Mapping[str, np.ndarray]) -> int:
     """Write `arrays` to `path` atomically (temporary file, fsync, rename); return its size."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -132,7 +131,8 @@ def _write(path: str, arrays: Mapping[str, np.ndarray]) -> int:
     return os.path.getsize(path)
 
 
-def _read(path: str) -> dict[str, np.ndarray]:
+def read_arrays(path: str) -> dict[str, np.ndarray]:
+    """The arrays of the ``.npz`` file at `path`, read without pickle."""
     with np.load(path, allow_pickle=False) as data:
         return {name: data[name] for name in data.files}
 
@@ -264,8 +264,8 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     extra : mapping of str to array, optional
         Small arrays saved as rank 0 has them (say, the epoch's running totals); numeric or
         string arrays only.  A torch optimizer's or scheduler's state goes here as arrays
-        (:func:`tensorplay_mpi.torch_state.state_arrays`), and so does an RNG's state
-        (:func:`tensorplay_mpi.rng.rng_state`).
+        (:func:`tensorplay_mpi.checkpoint.torch_state.state_arrays`), and so does an RNG's state
+        (:func:`tensorplay_mpi.checkpoint.rng.rng_state`).
     zero : {"sharded", "consolidated"}
         For a ZeroRedundancyOptimizer: each rank writes its shard's state to its own file, or
         rank 0 gathers the full state (``consolidate_state_dict``) and writes it.
@@ -325,7 +325,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         recorded = encode_config(config)
     except (ValueError, TypeError) as refused:
         error = refused
-    _agree(comm, error, "checkpoint arguments", timeout)
+    agree_or_raise(comm, error, "checkpoint arguments", timeout)
 
     if kind == "zero-consolidated":
         assert optimizer is not None  # a sharded optimizer
@@ -340,7 +340,6 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
                 os.unlink(shard)  # this save's, if this rank wrote it: no manifest names it
         raise
     _remove_stale(directory, rank, shard)  # local: the commit's agreement was the last one
-    clear_save()  # this rank's pending save request, if any, is served
     return Saved(os.path.join(directory, MANIFEST), int(written[:, 0].sum()),
                  float(written[:, 1].max() / 1e9))
 
@@ -374,7 +373,7 @@ def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequen
         if kind == "zero-sharded":
             arrays, meta = _flatten(optimizer.shard_state_dict(), "optimizer")
             arrays["meta"] = np.array(json.dumps(meta))
-            nbytes += _write(shard, arrays)
+            nbytes += write_arrays(shard, arrays)
         if rank == 0:
             manifest = _manifest(params, buffers, optimizer, kind, every, extra, int(every[0, 3]))
             if config is not None:
@@ -382,15 +381,15 @@ def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequen
                 manifest["meta"] = np.array(json.dumps({**meta, "config": config}))
     except Exception as failed:
         error = failed
-    _agree(comm, error, "checkpoint write (optimizer shards and the manifest's contents)"
+    agree_or_raise(comm, error, "checkpoint write (optimizer shards and the manifest's contents)"
            if kind == "zero-sharded" else "checkpoint write (the manifest's contents)", timeout)
     try:
         if rank == 0:
-            nbytes += _write(os.path.join(directory, MANIFEST), manifest)
+            nbytes += write_arrays(os.path.join(directory, MANIFEST), manifest)
     except Exception as failed:
         error = failed
     elapsed = int((time.perf_counter() - start) * 1e9)
-    return _agree(comm, error, "checkpoint write (manifest)", timeout, nbytes, elapsed)
+    return agree_or_raise(comm, error, "checkpoint write (manifest)", timeout, nbytes, elapsed)
 
 
 def _committed(directory: str, token: int) -> bool:
@@ -480,7 +479,7 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     Guard.attach(comm)
     rank, size = comm.Get_rank(), comm.Get_size()
     path = os.path.join(os.fspath(directory), MANIFEST)
-    found = _agree(comm, None, "checkpoint lookup", timeout, int(os.path.exists(path)))
+    found = agree_or_raise(comm, None, "checkpoint lookup", timeout, int(os.path.exists(path)))
     if not found.any():
         return None
     error: BaseException | None = None
@@ -490,7 +489,7 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
             raise ValueError(f"the checkpoint {path} is visible on rank(s) "
                              f"{np.flatnonzero(found).tolist()} only: put it on a file "
                              "system every rank shares")
-        arrays = _read(path)
+        arrays = read_arrays(path)
         meta = json.loads(str(arrays["meta"]))
         token = meta["token"]
         _check_manifest(meta, params, buffers, size, resize)
@@ -499,7 +498,7 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
                                         size)
     except Exception as failed:
         error = failed
-    tokens = _agree(comm, error, f"checkpoint load ({path})", timeout, token)
+    tokens = agree_or_raise(comm, error, f"checkpoint load ({path})", timeout, token)
     if (tokens != tokens[0]).any():
         raise ValueError(f"rank {rank}: ranks read different checkpoints from {path} (it was "
                          "replaced while loading, or the ranks do not share that file system)")
@@ -558,7 +557,7 @@ def _optimizer_state(meta: dict, arrays: dict[str, np.ndarray], optimizer: Any,
     else:
         state_meta = meta.get("optimizer_state", {})
     if not full:
-        shard = _read(_shard_path(directory, rank, size, meta["token"]))
+        shard = read_arrays(_shard_path(directory, rank, size, meta["token"]))
         state_meta, arrays = json.loads(str(shard["meta"])), shard
     state = _unflatten(state_meta, arrays, "optimizer", optimizer)
     optimizer.check_state_dict(state, shard=not full, source="the checkpoint")
@@ -576,7 +575,7 @@ def _gathered_shards(meta: dict, directory: str, owners: list[int]
     steps = np.zeros(len(owners), dtype=np.int64)  # per parameter, as the shards counted them
     every_shard_counted = True
     for rank in range(world):
-        shard = _read(_shard_path(directory, rank, world, meta["token"]))
+        shard = read_arrays(_shard_path(directory, rank, world, meta["token"]))
         shard_meta = json.loads(str(shard["meta"]))
         full = full or dict(shard_meta, state={})
         mine = [i for i, owner in enumerate(owners) if owner == rank]

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .settings import settings
+from ..settings import settings
 
 __all__ = ["check_device", "device_of", "is_device_array", "zeros_like", "check_disjoint",
            "misordered", "cuda_aware", "loaded_libmpi", "Staging"]

@@ -38,165 +38,22 @@ from typing import Any, NoReturn, TypeGuard
 import numpy as np
 from mpi4py import MPI
 
-from .agreement import KINDS, agree_on_setting, kind_code
-from .algorithms.guarded_joinable import GuardedJoinable
-from .algorithms.join import Join, JoinHook
-from .buffers import device_of, is_device_array, misordered, zeros_like
-from .comm import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast, op_name
-from .persistent import MAX_BYTES, PersistentCollectives, enabled
-from .tensors import as_array, is_tensor, like
+from ..comm.agreement import KINDS, agree_on_setting, kind_code
+from ..comm.buffers import device_of, is_device_array, misordered, zeros_like
+from ..comm.collectives import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast
+from ..comm.persistent import MAX_BYTES, PersistentCollectives, enabled
+from ..comm.tensors import as_array, is_tensor, like
+from . import announcements as wire
+from .guarded_joinable import GuardedJoinable
+from .join import Join, JoinHook
 
 __all__ = ["JoinableComm"]
 
-_END, _ALLREDUCE, _ALLGATHER, _BCAST, _REFUSED = 1, 2, 3, 4, 5
-_CARRIED_ALLREDUCE, _CARRIED_BCAST = 6, 7  # the data travelled in the announcement
-_BLOCK = 8  # another joinable's block of collectives (Join.announce): its index in the count
-_DTYPES = tuple(np.dtype(t) for t in (
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-    np.float16, np.float32, np.float64, np.complex64, np.complex128))
-_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES, 1)}
-_OP_OBJECTS = tuple(getattr(MPI, name) for name in OPS)
-_OP_CODES = {id(op): code for code, op in enumerate(_OP_OBJECTS, 1)}  # MPI.SUM, ... live forever
-_FIELDS = 6  # kind, op, dtype, root, count, row digest: what the digest covers
-_ROOT_IS_ME, _RANK, _PAYLOAD_AT = _FIELDS + 2, _FIELDS + 3, _FIELDS + 4  # after the digests
-_PAYLOAD = 8  # int64 words of data an announcement carries
-_SLOTS = _PAYLOAD_AT + _PAYLOAD
-_ORDERED = {"MAX": False, "MIN": True, "LOR": False, "LAND": True}  # op: by reversed keys
-_NOBODY = np.iinfo(np.int64).min  # what a joined rank announces
-
-
-def identity(op: MPI.Op, dtype: Any) -> Any:
-    """The element that leaves `op` unchanged, for `dtype` (what a joined rank contributes).
-
-    Raises
-    ------
-    ValueError
-        For an op without an identity here (user-defined ops, MAXLOC, ...).
-    """
-    dtype = np.dtype(dtype)
-    name = _checked_op_name(op)
-    if name in ("SUM", "LOR", "LXOR", "BOR", "BXOR"):
-        return dtype.type(0)
-    if name in ("PROD", "LAND"):
-        return dtype.type(1)
-    if name == "BAND":
-        return dtype.type(True) if dtype.kind == "b" else ~dtype.type(0)
-    lowest = name == "MAX"
-    if dtype.kind == "b":
-        return dtype.type(not lowest)
-    if dtype.kind == "f":
-        return dtype.type(-np.inf if lowest else np.inf)
-    info = np.iinfo(dtype)
-    return dtype.type(info.min if lowest else info.max)
-
-
-def _checked_op_name(op: Any) -> str:
-    """The name of `op` in :data:`OPS`: a TypeError for a non-op, a ValueError for others."""
-    if not isinstance(op, MPI.Op):
-        raise TypeError(f"op must be an mpi4py.MPI.Op such as MPI.SUM, got {op!r}")
-    name = op_name(op)
-    if name is None:
-        raise ValueError(f"JoinableComm supports the ops {', '.join(OPS)}; got {op!r}")
-    return name
-
-
-def _op_code(op: Any) -> int:
-    """The wire code of `op`: its position in :data:`OPS`, from 1."""
-    code = _OP_CODES.get(id(op))
-    return OPS.index(_checked_op_name(op)) + 1 if code is None else code
-
-
-_OP_KINDS = {"SUM": "iufc", "PROD": "iufc", "MAX": "iuf", "MIN": "iuf", "LAND": "iub",
-             "LOR": "iub", "LXOR": "iub", "BAND": "iu", "BOR": "iu", "BXOR": "iu"}
-"""The NumPy dtype kinds MPI defines each op on."""
-
-
-def _refuse_op(op_code: int, dtype: np.dtype) -> NoReturn:
-    kinds = {"i": "signed", "u": "unsigned", "f": "floating", "c": "complex", "b": "bool"}
-    allowed = ", ".join(kinds[k] for k in _OP_KINDS[OPS[op_code - 1]])
-    raise TypeError(f"MPI.{OPS[op_code - 1]} does not apply to dtype {dtype}: MPI defines it on "
-                    f"{allowed} arrays")
-
-
-def _dtype_code(dtype: np.dtype) -> int:
-    code = _DTYPE_CODES.get(dtype)
-    if code is None:
-        raise TypeError(f"JoinableComm cannot send dtype {dtype}")
-    return code
-
-
 def _fits_persistent(x: Any) -> bool:
     """Whether `x` (as :meth:`JoinableComm._array` gives it) takes a persistent collective while
-    every rank is active: a host array of at most :data:`~tensorplay_mpi.persistent.MAX_BYTES`
+    every rank is active: a host array of at most :data:`~tensorplay_mpi.comm.persistent.MAX_BYTES`
     bytes."""
     return type(x) is np.ndarray and x.nbytes <= MAX_BYTES
-
-
-def _covered(fields: tuple) -> tuple:
-    """The announced fields that active ranks must agree on.
-
-    An allgather's dtype and row shape may differ in the announcement: the row headers
-    compare them and raise the same ValueError as when every rank is active.
-    """
-    return fields[:1] if fields[0] == _ALLGATHER else fields
-
-
-def _digest(values: tuple) -> int:
-    """A positive int64 hash of ints, the same in every process (ints hash by value)."""
-    return (hash(values) & ((1 << 62) - 1)) | (1 << 62)
-
-
-def _carried_op(x: Any, op_code: int) -> bool | None:
-    """For an allreduce that an announcement can carry: whether its keys are reversed."""
-    name = OPS[op_code - 1]
-    if (type(x) is not np.ndarray or x.size > _PAYLOAD or name not in _ORDERED
-            or x.dtype.kind not in "biu" or (name in ("LAND", "LOR") and x.dtype.kind != "b")):
-        return None
-    return _ORDERED[name]
-
-
-def _keys(x: np.ndarray, reverse: bool) -> np.ndarray:
-    """int64 keys in the order of `x`'s values (reversed: bitwise not), so MAX reduces them;
-    integers and bools (floats arrive as the integers of :func:`_float_keys`)."""
-    flat = x.reshape(-1)
-    if x.dtype == np.uint64:
-        keys = (flat ^ np.uint64(1 << 63)).view(np.int64)
-    else:
-        keys = flat.astype(np.int64)
-    return ~keys if reverse else keys
-
-
-def _from_keys(keys: np.ndarray, dtype: np.dtype, reverse: bool) -> np.ndarray:
-    """The values of :func:`_keys`."""
-    keys = ~keys if reverse else keys
-    if dtype == np.uint64:
-        return keys.view(np.uint64) ^ np.uint64(1 << 63)
-    return keys.astype(dtype)
-
-
-_MAX_CODE, _MIN_CODE = OPS.index("MAX") + 1, OPS.index("MIN") + 1
-
-
-_KEYS = {np.dtype(f"f{n}"): (np.dtype(f"i{n}"), np.iinfo(f"i{n}"), 8 * n - 1) for n in (2, 4, 8)}
-"""Per float dtype: the integer dtype of its width, that integer's limits, the sign shift."""
-
-
-def _float_keys(x: np.ndarray, largest: bool) -> np.ndarray:
-    """Integers of `x`'s width in the order of its float values, every NaN the extreme that
-    wins the reduction (`largest`: MAX's), so a MAX or MIN over them propagates NaN the same
-    way on every rank, as ``np.maximum`` does (MPI leaves NaN to the order of reduction)."""
-    kind, limits, shift = _KEYS[x.dtype]
-    flat = x.reshape(-1)
-    bits = flat.view(kind)
-    keys = bits ^ ((bits >> shift) & limits.max)  # negative: the magnitude bits reversed
-    np.copyto(keys, limits.max if largest else limits.min, where=flat != flat)  # NaN
-    return keys
-
-
-def _float_values(keys: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """The floats of :func:`_float_keys` (an extreme key: a NaN)."""
-    kind, limits, shift = _KEYS[dtype]
-    return (keys ^ ((keys >> shift) & limits.max)).view(dtype)
 
 
 def _completed(value: Any, what: str) -> Work:
@@ -244,7 +101,7 @@ class JoinableComm(GuardedJoinable):
 
     def __init__(self, comm: MPI.Intracomm | None = None, timeout: float | None = None) -> None:
         super().__init__(comm, timeout)  # device: of the last array seen (joined ranks: host)
-        self._announcement = np.empty(_SLOTS, np.int64)
+        self._announcement = np.empty(wire.SLOTS, np.int64)
         self._row_header = np.empty(2, np.int64)  # [row count, row digest] of an allgather
         self._row_headers = np.empty((self.size, 2), np.int64)
         self._owner: Join | None = None  # the enabled Join of the current iteration
@@ -300,7 +157,7 @@ class JoinableComm(GuardedJoinable):
     def announce_block(self, index: int) -> None:
         """Announce joinable `index`'s block of collectives (see :meth:`Join.announce`)."""
         if self._announces():
-            self._announce(_BLOCK, count=index)
+            self._announce(wire.BLOCK, count=index)
 
     def _next_iteration(self, side: str) -> None:
         """Count an iteration, active or (`side` ``", joined"``) shadowed: errors name it."""
@@ -315,7 +172,7 @@ class JoinableComm(GuardedJoinable):
         if self._owner is not None and join is self._owner:  # not after an error
             self._wait_all(self._works)
             if self._announces():
-                self._announce(_END)
+                self._announce(wire.END)
         self._works.clear()
         self._owner = self._announcing = None
         self._others = []
@@ -362,27 +219,23 @@ class JoinableComm(GuardedJoinable):
     def _refuse(self, error: Exception) -> NoReturn:
         """Raise `error`, a bad argument; when ranks have joined, announce it to them first."""
         if self._announces():
-            self._announce(_REFUSED, kind_code(error))  # the code in the op field
+            self._announce(wire.REFUSED, kind_code(error))  # the code in the op field
         raise error
 
     def _announce(self, kind: int, op: int = 0, code: int = 0, root: int = -1, count: int = 0,
                   rows: int = 0, payload: np.ndarray | None = None, writer: int = -1) -> tuple:
         """Announce an operation, with the `payload` of every active rank (MAX-reduced), or
         only of rank `writer`: what every rank then finds in the announcement's payload."""
-        fields = (kind, op, code, root, count, rows)
-        digest = _digest(_covered(fields))
-        a = self._announcement
-        a[:_PAYLOAD_AT] = fields + (digest, -digest, int(self.rank == root), self.rank)
-        a[_PAYLOAD_AT:] = _NOBODY
-        if payload is not None and (writer == -1 or writer == self.rank):
-            a[_PAYLOAD_AT:_PAYLOAD_AT + payload.size] = payload
+        writes = payload is not None and (writer == -1 or writer == self.rank)
+        wire.encode(self._announcement, (kind, op, code, root, count, rows), self.rank,
+                    payload if writes else None)
         values = self._exchange_announcement()
-        self._highest = (self._owner, self._active, values[_RANK])
+        self._highest = (self._owner, self._active, values[wire.RANK])
         return values
 
     def _follow_announcement(self) -> tuple:
         """A joined rank's side of the next announcement: it announces nothing."""
-        self._announcement.fill(_NOBODY)
+        self._announcement.fill(wire.NOBODY)
         return self._exchange_announcement()
 
     def _exchange_announcement(self) -> tuple:
@@ -393,24 +246,7 @@ class JoinableComm(GuardedJoinable):
         else:
             iallreduce(self.comm, MPI.IN_PLACE, self._announcement, MPI.MAX, what).wait_or_abort(
                 self.timeout)
-        values = tuple(self._announcement[:_PAYLOAD_AT].tolist())
-        kind, op, code, root, count, rows = fields = values[:_FIELDS]
-        digest, negated = values[_FIELDS:_FIELDS + 2]
-        if digest != -negated or digest != _digest(_covered(fields)):
-            raise RuntimeError(
-                f"rank {self.rank}: the {what} is not one operation that every active rank "
-                "announced: active ranks issued different JoinableComm operations, or the "
-                "collectives of a Join's joinables did not run in the order of its list (a "
-                "collective of a joinable of yours between JoinableComm operations, say)")
-        data = kind in (_ALLREDUCE, _ALLGATHER, _BCAST, _CARRIED_ALLREDUCE, _CARRIED_BCAST)
-        reduces = kind in (_ALLREDUCE, _CARRIED_ALLREDUCE)
-        if not ((data or kind in (_END, _REFUSED, _BLOCK))
-                and (not data or 1 <= code <= len(_DTYPES))
-                and 0 <= op <= (len(OPS) if reduces else len(KINDS))
-                and (not (reduces or kind == _REFUSED) or op > 0) and -1 <= root < self.size
-                and count >= 0):
-            raise RuntimeError(f"rank {self.rank}: the {what} is invalid: {values}")
-        return values
+        return wire.decode(self._announcement, self.size, f"rank {self.rank}: the {what}")
 
     # -- operations ------------------------------------------------------------------------
 
@@ -430,9 +266,9 @@ class JoinableComm(GuardedJoinable):
     def allreduce(self, x: Any, op: MPI.Op = MPI.SUM, out: Any = None) -> Any:
         """Allreduce of `x` over the active ranks (see :meth:`iallreduce`).
 
-        A host array of at most :data:`~tensorplay_mpi.persistent.MAX_BYTES` bytes goes
+        A host array of at most :data:`~tensorplay_mpi.comm.persistent.MAX_BYTES` bytes goes
         through a persistent collective while every rank is active (see
-        :mod:`tensorplay_mpi.persistent`): every rank must then call ``allreduce`` (not
+        :mod:`tensorplay_mpi.comm.persistent`): every rank must then call ``allreduce`` (not
         ``iallreduce``) for it, with a host array.
         """
         return self._allreduce(x, op, out, True)
@@ -442,29 +278,30 @@ class JoinableComm(GuardedJoinable):
         try:  # the common case inline: dict look-ups, no call
             given = x
             x = x if type(x) is np.ndarray and x.flags.c_contiguous else self._array(x)
-            code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
-            op_code = _OP_CODES.get(id(op)) or _op_code(op)
-            if x.dtype.kind not in _OP_KINDS[OPS[op_code - 1]]:
-                _refuse_op(op_code, x.dtype)
+            code = wire.DTYPE_CODES.get(x.dtype) or wire.dtype_code(x.dtype)
+            op_code = wire.OP_CODES.get(id(op)) or wire.code_of_op(op)
+            if x.dtype.kind not in wire.OP_KINDS[OPS[op_code - 1]]:
+                wire.refuse_op(op_code, x.dtype)
             out, result = _output(x, out, given)
         except (TypeError, ValueError) as error:
             self._refuse(error)
-        if x.dtype.kind == "f" and op_code in (_MAX_CODE, _MIN_CODE) and type(x) is np.ndarray:
-            keys = _float_keys(x, op_code == _MAX_CODE)  # NaN: the same result on every rank
+        if x.dtype.kind == "f" and op_code in (wire.MAX_CODE, wire.MIN_CODE) \
+                and type(x) is np.ndarray:
+            keys = wire.float_keys(x, op_code == wire.MAX_CODE)  # NaN: the same on every rank
             self._allreduce(keys, op, keys, True)
-            out[...] = _float_values(keys, x.dtype).reshape(x.shape)
+            out[...] = wire.float_values(keys, x.dtype).reshape(x.shape)
             return result if wait else _completed(result, f"allreduce ({self._where}, floats "
                                                           "ordered as integers)")
         if self._announces():
-            reverse = _carried_op(x, op_code)
+            reverse = wire.carried_op(x, op_code)
             if reverse is not None:  # small and ordered: the announcement carries the data
-                self._announce(_CARRIED_ALLREDUCE, op_code, code, count=x.size,
-                               payload=_keys(x, reverse))
-                keys = self._announcement[_PAYLOAD_AT:_PAYLOAD_AT + x.size]
-                out[...] = _from_keys(keys, x.dtype, reverse).reshape(x.shape)
+                self._announce(wire.CARRIED_ALLREDUCE, op_code, code, count=x.size,
+                               payload=wire.order_keys(x, reverse))
+                keys = self._announcement[wire.PAYLOAD_AT:wire.PAYLOAD_AT + x.size]
+                out[...] = wire.from_order_keys(keys, x.dtype, reverse).reshape(x.shape)
                 return result if wait else _completed(result, f"allreduce ({self._where}, "
                                                               "carried)")
-            self._announce(_ALLREDUCE, op_code, code, count=x.size)
+            self._announce(wire.ALLREDUCE, op_code, code, count=x.size)
         elif wait and self._persistent is not None and _fits_persistent(x):
             self._persistent.allreduce(x, out, op, op_code, f"allreduce ({self._where})")
             return result
@@ -485,12 +322,12 @@ class JoinableComm(GuardedJoinable):
             if rows.ndim < 1:
                 raise ValueError(f"allgather needs rows of at least one dimension, got shape "
                                  f"{rows.shape}")
-            code = _dtype_code(rows.dtype)
+            code = wire.dtype_code(rows.dtype)
         except (TypeError, ValueError) as error:
             self._refuse(error)
-        row_digest = _digest((code,) + rows.shape[1:])
+        row_digest = wire.digest((code,) + rows.shape[1:])
         if self._announces():
-            self._announce(_ALLGATHER, 0, code, count=math.prod(rows.shape[1:]),
+            self._announce(wire.ALLGATHER, 0, code, count=math.prod(rows.shape[1:]),
                            rows=row_digest)
         return self._own(self._gather_rows(rows, row_digest, given))
 
@@ -529,7 +366,7 @@ class JoinableComm(GuardedJoinable):
         try:
             given = x
             x = x if type(x) is np.ndarray and x.flags.c_contiguous else self._array(x)
-            code = _DTYPE_CODES.get(x.dtype) or _dtype_code(x.dtype)
+            code = wire.DTYPE_CODES.get(x.dtype) or wire.dtype_code(x.dtype)
             out, result = _output(x, out, given)
             highest = isinstance(root, str) and root == "highest_active"
             if not highest and (isinstance(root, bool)
@@ -542,16 +379,16 @@ class JoinableComm(GuardedJoinable):
         if self._announces():
             writer = self._carrier(x, target)
             if writer is not None:  # small, and its root known: the announcement carries it
-                words = np.frombuffer(x.tobytes().ljust(8 * _PAYLOAD, b"\0"), np.int64)
-                values = self._announce(_CARRIED_BCAST, 0, code, target, x.size,
+                words = np.frombuffer(x.tobytes().ljust(8 * wire.PAYLOAD, b"\0"), np.int64)
+                values = self._announce(wire.CARRIED_BCAST, 0, code, target, x.size,
                                         payload=words, writer=writer)
-                _check_root(target, highest or values[_ROOT_IS_ME] == 1)
-                data = self._announcement[_PAYLOAD_AT:].tobytes()[:x.nbytes]
+                _check_root(target, highest or values[wire.ROOT_IS_ME] == 1)
+                data = self._announcement[wire.PAYLOAD_AT:].tobytes()[:x.nbytes]
                 out[...] = np.frombuffer(data, x.dtype).reshape(x.shape)
                 return result if wait else _completed(result, f"bcast ({self._where}, carried)")
-            values = self._announce(_BCAST, 0, code, target, x.size)
-            target = values[_RANK] if highest else target
-            _check_root(target, highest or values[_ROOT_IS_ME] == 1)
+            values = self._announce(wire.BCAST, 0, code, target, x.size)
+            target = values[wire.RANK] if highest else target
+            _check_root(target, highest or values[wire.ROOT_IS_ME] == 1)
         else:
             if highest:
                 target = self.size - 1
@@ -566,7 +403,7 @@ class JoinableComm(GuardedJoinable):
     def _carrier(self, x: Any, root: int) -> int | None:
         """The rank whose small `x` an announcement carries: `root`, or the highest active
         rank when known (the same count of active ranks in one Join is the same ranks)."""
-        if type(x) is not np.ndarray or x.nbytes > 8 * _PAYLOAD:
+        if type(x) is not np.ndarray or x.nbytes > 8 * wire.PAYLOAD:
             return None
         if root != -1:
             return root
@@ -678,7 +515,7 @@ class _FollowAnnouncements(JoinHook):
         key = (op, count, dtype)
         buffers = self._buffers.pop(key, None)
         if buffers is None:
-            fill = identity(_OP_OBJECTS[op - 1], dtype) if op else 0
+            fill = wire.identity(wire.OP_OBJECTS[op - 1], dtype) if op else 0
             buffers = np.full(count, fill, dtype), np.empty(count, dtype)
         self._buffers[key] = buffers  # most recent last
         if len(self._buffers) > self._CACHED:
@@ -692,26 +529,26 @@ class _FollowAnnouncements(JoinHook):
         while True:
             kind, op, code, root, count, rows, _, _, root_active, highest = (
                 jc._follow_announcement())
-            if kind == _END:
+            if kind == wire.END:
                 return
-            if kind == _BLOCK:  # DataParallel's step, an optimizer's: its hook, here
+            if kind == wire.BLOCK:  # DataParallel's step, an optimizer's: its hook, here
                 jc.join_context._shadow_block(count)  # type: ignore[union-attr]
                 continue
-            if kind == _CARRIED_ALLREDUCE:
+            if kind == wire.CARRIED_ALLREDUCE:
                 continue
-            if kind == _CARRIED_BCAST:
+            if kind == wire.CARRIED_BCAST:
                 _check_root(root, root == -1 or root_active == 1)
                 continue
-            if kind == _REFUSED:
+            if kind == wire.REFUSED:
                 raise KINDS[op - 1](
                     f"rank {jc.rank}: the active ranks' JoinableComm call in {jc._where} had a "
                     f"bad argument (they raised {KINDS[op - 1].__name__})")
-            dtype = _DTYPES[code - 1]
-            if kind == _ALLREDUCE:
+            dtype = wire.DTYPES[code - 1]
+            if kind == wire.ALLREDUCE:
                 contribution, received = self._shadow_buffers(op, count, dtype)
-                jc._wait(iallreduce(jc.comm, contribution, received, _OP_OBJECTS[op - 1],
+                jc._wait(iallreduce(jc.comm, contribution, received, wire.OP_OBJECTS[op - 1],
                                     f"allreduce ({jc._where})"))
-            elif kind == _ALLGATHER:
+            elif kind == wire.ALLGATHER:
                 jc._wait(jc._gather_rows(np.empty((0, count), dtype), rows))
             else:
                 target = highest if root == -1 else root

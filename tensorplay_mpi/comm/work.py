@@ -25,8 +25,8 @@ from typing import Any, Callable, Protocol
 
 from mpi4py import MPI
 
-from .errors import CollectiveTimeoutError
-from .settings import settings
+from ..errors import CollectiveTimeoutError
+from ..settings import settings
 
 __all__ = ["Work", "Poller", "outstanding_requests", "progress_pending", "sweep_tests",
            "complete_pending", "complete_all_at_exit", "report_and_abort"]
@@ -248,7 +248,7 @@ class Work:
 
     def void(self, why: str) -> None:
         """Mark the operation's outcome meaningless: a failure's drain
-        (:mod:`~tensorplay_mpi.drain`) completes it with scratch contributions.  Its completion
+        (:mod:`~tensorplay_mpi.comm.drain`) completes it with scratch contributions.  Its completion
         callback is dropped; waiting for it or reading its result then raises
         ``RuntimeError(why)``."""
         self._void, self._finish = why, None

@@ -7,7 +7,8 @@ JSON string (``"PREFIX/tree"``), in which floats round-trip exactly.  These are 
 :func:`tensorplay_mpi.checkpoint.save` takes as `extra` and loads without pickle;
 :func:`load_state_arrays` rebuilds the state dict and loads it::
 
-    from tensorplay_mpi import checkpoint, torch_state
+    from tensorplay_mpi import checkpoint
+    from tensorplay_mpi.checkpoint import torch_state
 
     extra = {**torch_state.state_arrays(opt, "opt"), **torch_state.state_arrays(sched, "sched")}
     checkpoint.save(directory, model.parameters(), buffers=model.buffers(), extra=extra, ...)

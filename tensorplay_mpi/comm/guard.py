@@ -2,7 +2,7 @@
 
 A Guard is attached (as an MPI attribute, freed with the communicator) to every communicator
 that a Join or a library joinable uses; the collective wrappers of :mod:`tensorplay_mpi.comm`
-look it up there and hand it to each :class:`~tensorplay_mpi.work.Work` they start, which polls
+look it up there and hand it to each :class:`~tensorplay_mpi.comm.work.Work` they start, which polls
 it while waiting.  It owns two private duplicates:
 
 ``notices``
@@ -21,7 +21,7 @@ it while waiting.  It owns two private duplicates:
     by the next one and give wrong numbers, so the exceptions propagate (with ``python -m
     mpi4py`` the job aborts) and every later library collective on it raises at once.
     The same communicator carries the stall report's questions and answers
-    (:mod:`tensorplay_mpi.stall`).
+    (:mod:`tensorplay_mpi.comm.stall`).
 ``checks``
     With ``TENSORPLAY_MPI_DEBUG=1``, before every library collective the ranks allgather its
     signature (kind, count, dtype, op, root) and raise
@@ -40,10 +40,10 @@ from typing import Callable, NamedTuple
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import CollectiveMismatchError, PeerFailureError
+from ..settings import settings
 from .agreement import agree, agree_on_setting
 from .drain import ReplayLog, drain
-from .errors import CollectiveMismatchError, PeerFailureError
-from .settings import settings
 from .stall import ANSWER_TAG, QUERY_TAG, StallReport, answer
 from .work import Work
 
@@ -142,7 +142,7 @@ class Guard:
                           signature: Callable[[], str] | None,
                           description: tuple | None = None) -> None:
         """Refuse a broken communicator; count a collective (and log its `description`,
-        :func:`~tensorplay_mpi.drain.replay`); in debug mode, check that every rank issues
+        :func:`~tensorplay_mpi.comm.drain.replay`); in debug mode, check that every rank issues
         the same."""
         if self.broken is not None:
             raise self._unusable(f"cannot start {what}")

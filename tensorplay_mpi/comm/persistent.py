@@ -11,7 +11,7 @@ A persistent collective matches only a persistent one, and setting one up is its
 collective: every rank must set up and start the same ones in the same order.  So the cache is
 keyed by what every rank agrees on (the signature, never a buffer's identity), its eviction
 depends only on the sequence of signatures, and its users take this path on every rank or on
-none: :class:`~tensorplay_mpi.joinable_comm.JoinableComm` for host arrays of at most
+none: :class:`~tensorplay_mpi.algorithms.joinable_comm.JoinableComm` for host arrays of at most
 :data:`MAX_BYTES` bytes while every rank is active (or outside a Join), and for its
 announcements (one request bound to the announcement buffer).
 
@@ -33,9 +33,9 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
+from ..settings import settings
 from .guard import Guard
 from .ops import op_name
-from .settings import settings
 from .work import Work
 
 __all__ = ["MAX_BYTES", "PersistentCollectives", "supported", "enabled", "free_all"]

@@ -40,10 +40,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .algorithms.join import running_join
-from .joinable_comm import JoinableComm
+from ..algorithms.requests import running_join
+from ..algorithms.joinable_comm import JoinableComm
+from ..comm.tensors import JOIN_CHECK
 from .metrics import _group, _size, _StatesDiffer, reduce_states
-from .tensors import JOIN_CHECK
 
 __all__ = ["SyncBatchNorm"]
 

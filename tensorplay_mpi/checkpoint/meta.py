@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .buffers import is_device_array
+from ..comm.buffers import is_device_array
 
 __all__ = ["SAVABLE_KINDS", "check_savable", "encode_config", "check_config"]
 
@@ -24,8 +24,8 @@ SAVABLE_KINDS = "biufcUS"
 
 def _kind_error(where: str, dtype: np.dtype) -> TypeError:
     hint = (" (an object array: NumPy would pickle it, and load refuses pickled data; save an "
-            "RNG's state with tensorplay_mpi.rng.rng_state(generator), other state as numeric "
-            "arrays)" if dtype.kind == "O" else "")
+            "RNG's state with tensorplay_mpi.checkpoint.rng_state(generator), other state as "
+            "numeric arrays)" if dtype.kind == "O" else "")
     return TypeError(f"cannot save {where}: dtype {dtype} is not one a checkpoint loads back "
                      f"(bool, integer, float, complex or string arrays){hint}")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pickle
 import sys
 import time
+
 import numpy as np
 from mpi4py import MPI
 

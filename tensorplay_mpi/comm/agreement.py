@@ -79,7 +79,7 @@ def agree(start: Callable[[np.ndarray, np.ndarray], Work], rank: int, size: int,
     ----------
     start : callable
         ``start(row, every)`` starts an ``Iallgather`` of this rank's ``row`` into ``every``
-        (``int64[size, len(row)]``) and returns its :class:`~tensorplay_mpi.work.Work`.
+        (``int64[size, len(row)]``) and returns its :class:`~tensorplay_mpi.comm.work.Work`.
     rank, size : int
         This rank and the number of ranks.
     what : str

@@ -15,7 +15,7 @@ communicator (each wait bounded by ``$TENSORPLAY_MPI_GRACE``):
 
 The communicator stays broken: the outputs of the operations completed this way are undefined
 (they were collectives of a failed step), so their completion callbacks are dropped and waiting
-for one or reading its result raises (:meth:`~tensorplay_mpi.work.Work.void`), as every later
+for one or reading its result raises (:meth:`~tensorplay_mpi.comm.work.Work.void`), as every later
 library collective on the communicator does.  A
 drain that cannot be made exactly (an operation without a description: persistent requests,
 ``allgatherv``, a user-defined op, debug mode's checks; a broadcast whose root lacks it, which
@@ -93,7 +93,7 @@ class ReplayLog:
 
 
 class _GuardView(Poller, Protocol):
-    """What a drain reads of :class:`~tensorplay_mpi.guard.Guard`."""
+    """What a drain reads of :class:`~tensorplay_mpi.comm.guard.Guard`."""
 
     notices: MPI.Intracomm
     rank: int

@@ -3,7 +3,7 @@
 MPI matches collectives per communicator in start order, and a blocking collective never matches
 a nonblocking one.  Every collective that tensorplay_mpi issues, and every shadow a join hook
 issues, therefore starts a nonblocking operation here and completes it through a
-:class:`~tensorplay_mpi.work.Work`.  Custom joinables should use these functions too (never
+:class:`~tensorplay_mpi.comm.work.Work`.  Custom joinables should use these functions too (never
 ``comm.Allreduce`` and friends), so that a joined rank's shadow always matches what an active
 rank issued.
 
@@ -11,7 +11,7 @@ Buffers are NumPy or CuPy arrays, torch CPU tensors or objects exporting ``__dlp
 CPU; the last two go to MPI as NumPy views of their memory, without copies.
 
 On a guarded communicator (one used by a Join or a library joinable) each start asks the
-:class:`~tensorplay_mpi.guard.Guard` first (a broken communicator refuses; debug mode checks
+:class:`~tensorplay_mpi.comm.guard.Guard` first (a broken communicator refuses; debug mode checks
 signatures), and each wait polls it for failure notices of other ranks.
 """
 
@@ -22,11 +22,11 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
+from ..settings import positive_seconds, settings
 from .buffers import Staging, misordered
 from .drain import replay
 from .guard import Guard
 from .ops import OPS, op_name
-from .settings import positive_seconds, settings
 from .tensors import as_array, is_tensor
 from .work import Work, outstanding_requests
 
@@ -127,7 +127,7 @@ def _start(comm: MPI.Comm, what: str, kind: str, start: Callable[..., MPI.Reques
 
     The Work's result is `value`, or ``finish(value)``; staged buffers are copied back first.
     Host buffers (nothing staged, no `finish`) need no completion callback at all.
-    `description` is ``(kind, buffer[, op, root])`` for :func:`~tensorplay_mpi.drain.replay`:
+    `description` is ``(kind, buffer[, op, root])`` for :func:`~tensorplay_mpi.comm.drain.replay`:
     what a lagging rank would start to match it after a failure.
     """
     settings()  # a bad environment value raises here, before the operation starts

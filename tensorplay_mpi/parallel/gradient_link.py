@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .comm import default_comm
-from .tensors import as_array
+from ..comm.collectives import default_comm
+from ..comm.tensors import as_array
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-    from .algorithms.join import Join, Joinable
+    from ..algorithms.join import Join, Joinable
 
 __all__ = ["Averaging", "GradientViews", "check_places", "PlaceCheck", "comm_of", "in_join",
            "position", "used_of"]

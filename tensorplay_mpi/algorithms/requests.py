@@ -1,0 +1,178 @@
+"""Stop and save requests inside a Join: the one owner of what a heartbeat asks for and of when
+``on_save`` runs.
+
+A rank's requests are flags (:mod:`tensorplay_mpi.stopping`: a signal or a call sets them).  A
+Join holds one :class:`Requests`, which puts them into the bits of its heartbeats and polls,
+reads what every rank asked from their sums, runs ``on_save`` where every rank is at one
+iteration, and withdraws this rank's save request, in one place, once a Join served it.  The
+registry of entered Joins lives here too: :func:`running_join` and :func:`saving_join` tell
+the layers above (checkpoint, SyncBatchNorm) where a collective of theirs would cross-match a
+joined rank's polls.
+
+A heartbeat or poll is one int64: bits 0-23 count the active ranks, bits 24-43 the ranks that
+ask to stop, bits 44-62 those that ask for a save; so a rank with a pending stop request sends
+``1 + 2**24`` in a heartbeat and ``2**24`` in a poll.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from ..stopping import clear_save, save_requested, stop_requested
+
+if TYPE_CHECKING:
+    from .join import Join
+
+__all__ = ["Requests", "running_join", "saving_join", "STOP", "SAVE"]
+
+_ACTIVE_BITS, _STOP_BITS = 24, 20  # the fields: active count, stops, saves
+STOP = 1 << _ACTIVE_BITS
+"""What a stop request adds to a heartbeat or poll (bits 24-43 count the requests)."""
+SAVE = 1 << (_ACTIVE_BITS + _STOP_BITS)
+"""What a save request adds to a heartbeat or poll (bits 44-62 count the requests)."""
+
+
+def _constant(value: int) -> np.ndarray:
+    array = np.full(1, value, dtype=np.int64)
+    array.flags.writeable = False  # shared read-only send buffer of every heartbeat
+    return array
+
+
+# the heartbeat by (a stop is requested, a save is requested)
+_HEARTBEAT = {(stop, save): _constant(1 + stop * STOP + save * SAVE)
+              for stop in (False, True) for save in (False, True)}
+
+_running: list["Join"] = []  # the entered, enabled Joins of this process, innermost last
+_saving: list["Join"] = []  # the Joins whose on_save runs now
+
+
+def running_join() -> "Join | None":
+    """The innermost entered, enabled Join of this process whose ``on_save`` is not running
+    now, else ``None``: where a collective of the caller's would cross-match a joined rank's."""
+    for join in reversed(_running):
+        if join not in _saving:
+            return join
+    return None
+
+
+def saving_join() -> "Join | None":
+    """The Join whose ``on_save`` runs now on this rank (the innermost), else ``None``."""
+    return _saving[-1] if _saving else None
+
+
+class Requests:
+    """The stop and save requests of one Join, as its heartbeats and polls carry them.
+
+    Parameters
+    ----------
+    on_save : callable or None
+        The Join's ``on_save``.
+    deferring : callable
+        Whether a joinable asks requests to wait now (gradients accumulated under
+        ``no_sync()``): a stop or save then lands at the next boundary where none does.
+    """
+
+    def __init__(self, on_save: Callable[[], Any] | None, deferring: Callable[[], bool]):
+        self._on_save = on_save
+        self._deferring = deferring
+        self.stops = 0  # the most ranks any completed heartbeat or poll said asked to stop
+        self.asked: str | None = None  # this rank's stop request, once a heartbeat sent it
+        self._save_due = False  # a completed heartbeat or poll carried a save request
+        self._save_sent = False  # this rank's save request went out in a heartbeat or poll
+        self.saves = 0  # times on_save ran
+
+    @property
+    def has_on_save(self) -> bool:
+        """Whether the Join has an ``on_save`` (an active rank then reads each heartbeat's
+        requests before it sends the next)."""
+        return self._on_save is not None
+
+    # -- what this rank sends ---------------------------------------------------------------
+
+    def heartbeat(self) -> np.ndarray:
+        """The send buffer of this rank's next heartbeat: one active rank, and its requests."""
+        return _HEARTBEAT[self._asks_to_stop(), self._asks_to_save()]
+
+    def poll(self) -> int:
+        """The value of this rank's next poll once joined: its requests only."""
+        return STOP * self._asks_to_stop() + SAVE * self._asks_to_save()
+
+    def _asks_to_stop(self) -> bool:
+        self.asked = self.asked or stop_requested()
+        return self.asked is not None
+
+    def _asks_to_save(self) -> bool:
+        self._save_sent = self._save_sent or save_requested() is not None
+        return self._save_sent
+
+    # -- what every rank asked ----------------------------------------------------------------
+
+    def read(self, buf: np.ndarray) -> int:
+        """The number of active ranks in a heartbeat's or poll's sum; notes the requests."""
+        total = int(buf[0])
+        self.stops = max(self.stops, (total >> _ACTIVE_BITS) & (SAVE // STOP - 1))
+        self._save_due = self._save_due or total >= SAVE
+        return total & (STOP - 1)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a heartbeat or poll read so far carried a stop request, unless deferred."""
+        return self.stops > 0 and not self._deferring()
+
+    @property
+    def stop_reason(self) -> str | None:
+        """This rank's own reason, or how many other ranks asked; ``None`` unless stopped."""
+        if not self.stopped:
+            return None
+        return self.asked or f"a stop requested by {self.stops} other rank(s)"
+
+    @property
+    def save_due(self) -> bool:
+        """Whether a save request was carried and ``on_save`` has not run for it (unless
+        deferred)."""
+        return self._save_due and not self._deferring()
+
+    # -- the save ---------------------------------------------------------------------------
+
+    def run_due_save(self, join: "Join") -> None:
+        """Run ``on_save`` inside ``join.everywhere()`` if a save is due and the Join has not
+        stopped (a stop's own save follows); every rank decides on the same heartbeats, so at
+        the same boundary."""
+        if self._on_save is None or self.stops > 0 or not self.save_due:
+            return
+        self._save_due = False
+        _saving.append(join)
+        try:
+            with join.everywhere():
+                self._on_save()
+        finally:
+            _saving.remove(join)
+        self.saves += 1
+        self._withdraw()
+
+    def finish(self) -> None:
+        """At the Join's end: a save that is still due is the caller's now (``join.save_due``
+        tells every rank), so this rank's carried request is served."""
+        if self._save_due:
+            self._withdraw()
+
+    def _withdraw(self) -> None:
+        """The one place a save request is withdrawn: once a Join served it."""
+        if self._save_sent:
+            self._save_sent = False
+            clear_save()
+
+    # -- the registry -------------------------------------------------------------------------
+
+    @staticmethod
+    def entered(join: "Join") -> None:
+        """Note an enabled Join entered (innermost last)."""
+        _running.append(join)
+
+    @staticmethod
+    def exited(join: "Join") -> None:
+        """Note a Join exited (a no-op for one never noted)."""
+        if join in _running:
+            _running.remove(join)
