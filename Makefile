@@ -19,7 +19,7 @@ CORE_TESTS   := tests/join/test_join_mpi.py tests/parallel/test_data_parallel_mp
                 tests/parallel/test_data_parallel_misuse_mpi.py \
                 tests/comm/test_joinable_comm_mpi.py tests/optim/test_zero_mpi.py
 
-.PHONY: help venv test test-serial test-mpi test-unfused test-nopersistent test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
+.PHONY: help venv test test-serial test-slow test-mpi test-unfused test-nopersistent test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
         lint bench bench-fresh bench-threads bench-torch gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
@@ -46,8 +46,14 @@ $(VENV)/.demo: setup.cfg pyproject.toml | $(PY)
 
 test: test-serial test-mpi  ## every test: serial, then MPI at 1, 2, 3 and 4 ranks
 
-test-serial: venv  ## the serial tests (no mpiexec)
-	$(PY) -m pytest -m "not mpi" -q --timeout=$(RUN_TIMEOUT) --timeout-method=thread tests
+test-serial: venv  ## the serial tests (no mpiexec), but the slow ones
+	$(PY) -m pytest -m "not mpi and not slow" -q --timeout=$(RUN_TIMEOUT) --timeout-method=thread tests
+
+# The serial tests that launch long programs (tests/conftest.py's SLOW: demos stopped and
+# resumed, failure-point trials, the docs' examples and failures at 3-4 ranks, deadlines that
+# must pass); CI runs them after make test.
+test-slow: venv  ## the slow serial tests that make test leaves out (conftest.SLOW)
+	$(PY) -m pytest -m "slow" -q --timeout=$(RUN_TIMEOUT) --timeout-method=thread tests
 
 test-mpi: venv  ## the MPI tests at each rank count in RANKS (files: MPI_TESTS)
 	@for n in $(RANKS); do \

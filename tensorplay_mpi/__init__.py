@@ -6,24 +6,12 @@ from . import checkpoint, comm, data, optim
 from .algorithms.join import Join, Joinable, JoinHook
 from .algorithms.joinable_comm import JoinableComm
 from .comm.collectives import Work
-from .errors import (
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    EarlyTerminationError,
-    PeerFailureError,
-)
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, EarlyTerminationError,
+                     PeerFailureError)
 from .optim import SGD, Adam, AdamW, ZeroRedundancyOptimizer
 from .parallel import DataParallel
-from .stopping import (
-    clear_save,
-    clear_stop,
-    keep_stop_signals,
-    request_save,
-    request_stop,
-    save_requested,
-    stop_on_signals,
-    stop_requested,
-)
+from .stopping import (clear_save, clear_stop, keep_stop_signals, request_save, request_stop,
+                       save_requested, stop_on_signals, stop_requested)
 
 if TYPE_CHECKING:  # imported on first use (below): it needs torch
     from .evaluation.sync_batchnorm import SyncBatchNorm

@@ -43,7 +43,7 @@ import os
 import sys
 import time
 from types import TracebackType
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 from mpi4py import MPI
 
@@ -163,15 +163,20 @@ class State(NamedTuple):
     """``"module:function"`` that resets it (``""``: nothing to reset, :attr:`why` says)."""
     why: str = ""
     """Why it is not reset, when it is not."""
+    scope: str = "process"
+    """Who resets it: ``"settings"`` (decided from the environment: a test that changes the
+    environment resets these, :func:`tensorplay_mpi.testing.reset_settings`), ``"requests"``
+    (this rank's stop and save requests: reset around every test, with the settings) or
+    ``"process"`` (the process's set-up: only :func:`reset_state`)."""
 
 
 STATE: tuple[State, ...] = (
     State("the settings read from TENSORPLAY_MPI_* (cached)", "settings.py",
-          "tensorplay_mpi.settings:settings.cache_clear"),
+          "tensorplay_mpi.settings:settings.cache_clear", scope="settings"),
     State("the unknown TENSORPLAY_MPI_* names already warned about", "settings.py",
-          "tensorplay_mpi.settings:_warned.clear"),
+          "tensorplay_mpi.settings:_warned.clear", scope="settings"),
     State("the CUDA-awareness decision (cached)", "comm/buffers.py",
-          "tensorplay_mpi.comm.buffers:cuda_aware.cache_clear"),
+          "tensorplay_mpi.comm.buffers:cuda_aware.cache_clear", scope="settings"),
     State("the ranks on this node, the BLAS thread decision", "threads.py",
           "tensorplay_mpi.threads:forget_decision"),
     State("the registry of pending operations, its progress threshold, its sweep count",
@@ -182,8 +187,9 @@ STATE: tuple[State, ...] = (
           "process.py", "",
           "registered once, at import"),
     State("this rank's stop request; the signal handlers inside stop_on_signals()",
-          "stopping.py", "tensorplay_mpi.stopping:clear_stop"),
-    State("this rank's save request", "stopping.py", "tensorplay_mpi.stopping:clear_save"),
+          "stopping.py", "tensorplay_mpi.stopping:clear_stop", scope="requests"),
+    State("this rank's save request", "stopping.py", "tensorplay_mpi.stopping:clear_save",
+          scope="requests"),
     State("the handlers of keep_stop_signals()", "stopping.py", "",
           "kept until the program ends, by design"),
     State("whether MPI has persistent collectives (cached)", "comm/persistent.py",
@@ -207,18 +213,28 @@ STATE: tuple[State, ...] = (
 """Every piece of process-wide state of the library (docs/api/index.md shows this table)."""
 
 
-def reset_state() -> None:
-    """Reset every resettable piece of :data:`STATE`: the next library call decides again
-    from the environment as it is then (thread limits already applied stay applied).
+def reset_state(scopes: Iterable[str] = ("settings", "requests", "process")) -> None:
+    """Reset every resettable piece of :data:`STATE` in `scopes` (:attr:`State.scope`; all by
+    default): the next library call decides again from the environment as it is then (thread
+    limits already applied stay applied).
 
     Raises
     ------
     RuntimeError
-        If library operations are still pending (they cannot be dropped).
+        If library operations are still pending (they cannot be dropped), when the
+        ``"process"`` scope is reset.
+    ValueError
+        For an unknown scope.
     """
-    _no_pending()  # first: nothing is reset when something cannot be
+    scopes = set(scopes)
+    unknown = scopes - {"settings", "requests", "process"}
+    if unknown:
+        raise ValueError(f"unknown scope(s) {sorted(unknown)}: the scopes are 'settings', "
+                         "'requests' and 'process'")
+    if "process" in scopes:
+        _no_pending()  # first: nothing is reset when something cannot be
     for state in STATE:
-        if state.reset:
+        if state.reset and state.scope in scopes:
             module, _, path = state.reset.partition(":")
             target: object = importlib.import_module(module)
             for name in path.split("."):

@@ -22,8 +22,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """What Slurm sends at the time limit (SIGTERM), what ``--signal`` and ``scancel --signal``
 are usually set to send before it (SIGUSR1), and Ctrl-C (SIGINT)."""
 
-_request: str | None = None  # this rank's pending stop request: why
-_save: str | None = None  # this rank's pending save request: why
+_pending: dict[str, str | None] = {"stop": None, "save": None}  # this rank's requests: why
+
+
+def _ask(kind: str, reason: str) -> None:
+    """Note this rank's `kind` of request, keeping the first request's reason."""
+    if not isinstance(reason, str):
+        raise TypeError(f"reason must be a string, got {type(reason).__name__}")
+    if _pending[kind] is None:
+        _pending[kind] = reason
 
 
 def request_stop(reason: str = "request_stop()") -> None:
@@ -36,22 +43,7 @@ def request_stop(reason: str = "request_stop()") -> None:
     TypeError
         If `reason` is not a string.
     """
-    global _request
-    if not isinstance(reason, str):
-        raise TypeError(f"reason must be a string, got {type(reason).__name__}")
-    if _request is None:
-        _request = reason
-
-
-def stop_requested() -> str | None:
-    """This rank's own pending stop request (its reason), else ``None``; not coordinated."""
-    return _request
-
-
-def clear_stop() -> None:
-    """Withdraw this rank's stop request (after a stop was handled, to go on)."""
-    global _request
-    _request = None
+    _ask("stop", reason)
 
 
 def request_save(reason: str = "request_save()") -> None:
@@ -60,33 +52,39 @@ def request_save(reason: str = "request_save()") -> None:
     Local, like :func:`request_stop`: it only sets a flag.  The next heartbeat (or poll) of an
     enabled :class:`~tensorplay_mpi.Join` carries it; every rank, joined or not, then runs the
     Join's ``on_save`` at one iteration boundary, and the request is withdrawn.  Several
-    requests before that save make one save.
+    requests before that save make one save.  A Join without ``on_save``, or one that stops
+    first, withdraws it at its end, where ``join.save_due`` tells the caller to save.
 
     Raises
     ------
     TypeError
         If `reason` is not a string.
     """
-    global _save
-    if not isinstance(reason, str):
-        raise TypeError(f"reason must be a string, got {type(reason).__name__}")
-    if _save is None:
-        _save = reason
+    _ask("save", reason)
+
+
+def stop_requested() -> str | None:
+    """This rank's own pending stop request (its reason), else ``None``; not coordinated."""
+    return _pending["stop"]
 
 
 def save_requested() -> str | None:
     """This rank's own pending save request (its reason), else ``None``; not coordinated."""
-    return _save
+    return _pending["save"]
+
+
+def clear_stop() -> None:
+    """Withdraw this rank's stop request (after a stop was handled, to go on)."""
+    _pending["stop"] = None
 
 
 def clear_save() -> None:
-    """Withdraw this rank's save request (a Join does it once the save ran)."""
-    global _save
-    _save = None
+    """Withdraw this rank's save request (a Join does it once it served the save)."""
+    _pending["save"] = None
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
-    if signum == signal.SIGINT and _request is not None:
+    if signum == signal.SIGINT and _pending["stop"] is not None:
         raise KeyboardInterrupt  # Ctrl-C while a stop is pending: stop now, as Python would
     request_stop(signal.Signals(signum).name)
 

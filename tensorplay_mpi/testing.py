@@ -30,14 +30,13 @@ from typing import Any, Callable, Iterator, Sequence
 from mpi4py import MPI
 
 from .comm.agreement import agree
-from .comm.buffers import cuda_aware
 from .comm.work import Work, outstanding_requests
 from .process import reset_state
 from .settings import settings
 
 __all__ = ["assert_all", "raises_everywhere", "PATTERNS", "inputs_of", "active_counts",
            "mpiexec_path", "run_mpi", "run_at_sizes", "debug_mode", "reset_settings",
-           "reset_process_state"]
+           "reset_between_tests", "reset_process_state"]
 
 _verdicts: MPI.Intracomm | None = None  # COMM_WORLD's private duplicate for verdicts
 _debug_by_plugin = False  # the pytest plugin turned debug mode on
@@ -184,11 +183,18 @@ def debug_mode(enabled: bool = True) -> None:
 
 def reset_settings() -> None:
     """Make the library read its ``TENSORPLAY_MPI_*`` variables again, for a test that changed
-    them: the cached :func:`~tensorplay_mpi.settings.settings` and the decision made from them
-    (:func:`~tensorplay_mpi.comm.buffers.cuda_aware`).  The BLAS thread limit, applied once per
-    process (:mod:`tensorplay_mpi.threads`), stays."""
-    settings.cache_clear()
-    cuda_aware.cache_clear()
+    them: every piece of :data:`tensorplay_mpi.process.STATE` decided from the environment
+    (scope ``"settings"``: the cached settings, the CUDA-awareness decision).  The BLAS thread
+    limit, applied once per process (:mod:`tensorplay_mpi.threads`), stays."""
+    reset_state(["settings"])
+
+
+def reset_between_tests() -> None:
+    """What a test suite resets around every test: the settings (:func:`reset_settings`) and
+    this rank's stop and save requests (scope ``"requests"`` of
+    :data:`tensorplay_mpi.process.STATE`), so that no test sees another's environment or a
+    request it left pending."""
+    reset_state(["settings", "requests"])
 
 
 def reset_process_state() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ROOT", "PROGRAMS", "results", "UNEVEN", "gathered_equal", "rss_bytes", "buckets_of",
-           "HostSubclass"]
+__all__ = ["ROOT", "PROGRAMS", "STOP_DEMO", "results", "demo_digest", "UNEVEN", "gathered_equal",
+           "rss_bytes", "buckets_of", "HostSubclass"]
 
 ROOT = Path(__file__).resolve().parent.parent
 """The repository's root."""
@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "tests" / "programs"
 """The programs that serial tests launch under mpiexec (the third tier of conftest.py)."""
 
+
+STOP_DEMO = str(PROGRAMS / "stop_demo.py")
+"""A demo (train or train_torch) that signals its own ranks at a chosen batch."""
 
 _LABELS = ("RESULT", "WENT ON", "FOLLOWUP")
 
@@ -30,6 +33,14 @@ def results(stdout, label="RESULT"):
     ends = "|".join(f"{other} rank=" for other in _LABELS)
     found = re.findall(rf"{label} rank=(\d+) (.*?)(?={ends}|$)", stdout, re.M)
     return {int(rank): text for rank, text in found}
+
+
+def demo_digest(result):
+    """The parameter digest a demo run prints (it must have exited 0, identical on all ranks)."""
+    found = re.search(r"parameters identical on all \d+ ranks: yes \(digest ([0-9a-f]+)\)",
+                      result.stdout)
+    assert result.returncode == 0 and found, f"{result.stdout}\n{result.stderr}"
+    return found.group(1)
 
 
 UNEVEN = ["three_plus_rank", "rank0_zero", "last_zero"]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Iterable
 
 import numpy as np
 from mpi4py import MPI
 
-from ..comm.agreement import agree
+from ..comm.agreement import agree, layout_digest
 from ..comm.collectives import Work, check_comm, default_comm, iallgather, resolve_timeout
 from ..comm.guard import Guard
 from ..process import set_up
@@ -74,8 +73,7 @@ class GuardedJoinable(Joinable):
         """
         row = [0] * (1 + len(values))  # what a rank that refused sends (it raises anyway)
         if refused is None:
-            digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
-            row = [int(np.frombuffer(digest, dtype=np.int64)[0])]
+            row = [layout_digest(layout)]
             row += [int(np.float64(v).view(np.int64)) for v in values.values()]
         check = f"{type(self).__name__} argument check"
         every = agree(lambda mine, all_: iallgather(self.comm, mine, all_, check), self.rank,

@@ -93,6 +93,19 @@ def _refuse_inside_join(what: str) -> None:
         "Join's block (a resume starts with every rank outside any Join)")
 
 
+def _begin(what: str, comm: MPI.Intracomm | None, timeout: float | None,
+           params: Sequence[Any], buffers: Sequence[Any]) -> tuple:
+    """What `save` and `load` (`what`) start with: refused inside a running Join, the
+    communicator checked and set up, the deadline, the arrays (torch tensors: NumPy views)."""
+    _refuse_inside_join(what)
+    comm = check_comm(default_comm() if comm is None else comm)
+    timeout = resolve_timeout(timeout)
+    set_up(comm)
+    arrays = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
+    Guard.attach(comm)
+    return comm, timeout, *arrays
+
+
 # -- agreement -----------------------------------------------------------------------------------
 
 
@@ -297,12 +310,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         Inside a running Join outside its ``on_save``, before any collective (the ranks still
         in the Join then raise :class:`~tensorplay_mpi.errors.PeerFailureError`).
     """
-    _refuse_inside_join("save")
-    comm = check_comm(default_comm() if comm is None else comm)
-    timeout = resolve_timeout(timeout)
-    set_up(comm)
-    params, buffers = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
-    Guard.attach(comm)
+    comm, timeout, params, buffers = _begin("save", comm, timeout, params, buffers)
     start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
     directory = os.fspath(directory)
@@ -471,12 +479,7 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     OSError
         On every rank, when reading failed on some rank.
     """
-    _refuse_inside_join("load")
-    comm = check_comm(default_comm() if comm is None else comm)
-    timeout = resolve_timeout(timeout)
-    set_up(comm)
-    params, buffers = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
-    Guard.attach(comm)
+    comm, timeout, params, buffers = _begin("load", comm, timeout, params, buffers)
     rank, size = comm.Get_rank(), comm.Get_size()
     path = os.path.join(os.fspath(directory), MANIFEST)
     found = agree_or_raise(comm, None, "checkpoint lookup", timeout, int(os.path.exists(path)))

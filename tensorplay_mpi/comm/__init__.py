@@ -7,22 +7,9 @@ library's own: operations and their registry (``work``), buffers and devices (``
 collectives (``persistent``) and the reductions by name (``ops``).
 """
 
-from .collectives import (
-                          OPS,
-                          Work,
-                          check_comm,
-                          default_comm,
-                          default_timeout,
-                          iallgather,
-                          iallgatherv,
-                          iallreduce,
-                          ibcast,
-                          irecv,
-                          isend,
-                          op_name,
-                          outstanding_requests,
-                          resolve_timeout,
-)
+from .collectives import (OPS, Work, check_comm, default_comm, default_timeout, iallgather,
+                           iallgatherv, iallreduce, ibcast, irecv, isend, op_name,
+                           outstanding_requests, resolve_timeout)
 
 __all__ = ["Work", "iallreduce", "ibcast", "iallgather", "iallgatherv", "isend", "irecv",
            "default_comm", "default_timeout", "resolve_timeout", "check_comm",

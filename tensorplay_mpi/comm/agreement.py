@@ -22,14 +22,16 @@ signature checks and the test verdicts of :mod:`tensorplay_mpi.testing` all deci
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+import hashlib
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from .work import Work
 
-__all__ = ["KINDS", "kind_code", "Agreement", "agree", "agree_on_setting", "TEXT_BYTES"]
+__all__ = ["KINDS", "kind_code", "Agreement", "agree", "agree_on_setting", "TEXT_BYTES",
+           "layout_digest", "same_everywhere"]
 
 KINDS: tuple[type[Exception], ...] = (RuntimeError, TypeError, ValueError, OSError,
                                       AssertionError)
@@ -151,3 +153,23 @@ def agree_on_setting(start: Callable[[np.ndarray, np.ndarray], Work], rank: int,
     raise ValueError(f"rank {rank}: {variable} is on for ranks {on_ranks} and off for ranks "
                      f"{off_ranks}; {why}, so set it the same on every rank (in the job's "
                      f"environment, before mpiexec or srun)")
+
+
+def layout_digest(layout: Any) -> int:
+    """An int64 digest of ``repr(layout)`` (names, shapes, dtypes, settings), the same in every
+    process for the same layout; never the int64 minimum, so its negation fits in an int64."""
+    raw = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
+    return max(int(np.frombuffer(raw, np.int64)[0]), -2**63 + 1)
+
+
+def same_everywhere(start: Callable[[np.ndarray], Work], value: int, timeout: float) -> bool:
+    """Whether every rank passed the same int64 `value` (a :func:`layout_digest`, say).
+
+    Collective: `start` starts an in-place MAX allreduce of the int64 pair ``[value, -value]``
+    on the caller's path (a communicator, or a JoinableComm whose joined ranks contribute the
+    identity); the values agree iff the maximum is minus the maximum of their negations.  One
+    message of 16 bytes, whatever the number of ranks.
+    """
+    pair = np.array([value, -value], np.int64)
+    start(pair).wait_or_abort(timeout)
+    return bool(pair[0] == -pair[1])

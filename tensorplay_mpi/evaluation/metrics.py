@@ -26,7 +26,7 @@ which MPI does not detect (it returns wrong numbers).
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import math
 import sys
 from typing import Any, Mapping
@@ -35,19 +35,14 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.joinable_comm import JoinableComm
-from ..comm.collectives import (
-    check_comm,
-    default_comm,
-    default_timeout,
-    iallgather,
-    iallgatherv,
-    iallreduce,
-)
+from ..comm.collectives import (check_comm, default_comm, default_timeout, iallgather, iallgatherv,
+                                iallreduce)
+from ..comm.agreement import layout_digest, same_everywhere
 from ..comm.tensors import as_array, is_tensor
 from ..comm.work import Work
 
 __all__ = ["gather_all_tensors", "distributed_available", "sync_options", "SyncGroup",
-           "reduce_states", "confusion_matrix"]
+           "reduce_states", "StatesDiffer", "confusion_matrix", "group_of", "group_size"]
 
 _DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -66,7 +61,9 @@ def distributed_available() -> bool:
     return MPI.Is_initialized() and not MPI.Is_finalized() and default_comm().Get_size() > 1
 
 
-def _group(group: Any) -> JoinableComm | MPI.Intracomm:
+def group_of(group: Any) -> JoinableComm | MPI.Intracomm:
+    """The group a metric or layer reduces over: a :class:`JoinableComm` as given, a
+    :class:`SyncGroup`'s group, else a checked communicator (``None``: the default one)."""
     if isinstance(group, SyncGroup):
         group = group.group
     if isinstance(group, JoinableComm):
@@ -85,7 +82,7 @@ class SyncGroup:
     """
 
     def __init__(self, group: Any = None) -> None:
-        self.group = _group(group)
+        self.group = group_of(group)
 
     def __reduce__(self) -> tuple:
         return SyncGroup, ()
@@ -104,7 +101,8 @@ class _MoreThanOneRank:
         return self.size > 1
 
 
-def _size(group: JoinableComm | MPI.Intracomm) -> int:
+def group_size(group: JoinableComm | MPI.Intracomm) -> int:
+    """The number of ranks of a :func:`group_of` group."""
     return group.size if isinstance(group, JoinableComm) else group.Get_size()
 
 
@@ -128,7 +126,7 @@ def sync_options(group: Any = None) -> dict[str, Any]:
     """
     handle = SyncGroup(group)
     return {"dist_sync_fn": gather_all_tensors,
-            "distributed_available_fn": _MoreThanOneRank(_size(handle.group)),
+            "distributed_available_fn": _MoreThanOneRank(group_size(handle.group)),
             "process_group": handle}
 
 
@@ -204,7 +202,7 @@ def gather_all_tensors(result: Any, group: Any = None) -> list[Any]:
     ValueError
         For a tensor of more than 8 dimensions.
     """
-    checked = _group(group)
+    checked = group_of(group)
     torch = sys.modules.get("torch") if is_tensor(result) else None
     host = result.detach().cpu().contiguous() if torch is not None else result
     data = np.asarray(as_array(host, "result"))
@@ -242,7 +240,7 @@ def _start_reduce(group: JoinableComm | MPI.Intracomm, values: np.ndarray, op: M
     return iallreduce(group, MPI.IN_PLACE, values, op, what)
 
 
-class _StatesDiffer(ValueError):
+class StatesDiffer(ValueError):
     """Ranks passed different states to :func:`reduce_states` (raised on every rank), so that
     a layer built on it can say what that means for its users."""
 
@@ -253,14 +251,12 @@ def _check_layout(group: JoinableComm | MPI.Intracomm, arrays: Mapping[str, np.n
     shapes and kinds (integer or floating) to :func:`reduce_states`."""
     layout = [(name, arrays[name].shape, arrays[name].dtype.kind in "biu")
               for name in sorted(arrays)]
-    digest = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
-    value = max(int(np.frombuffer(digest, np.int64)[0]), -2**63 + 1)  # -value fits in int64
-    flags = np.array([value, -value], np.int64)
-    _start_reduce(group, flags, MPI.MAX, "reduce_states (layout check)").wait_or_abort(timeout)
-    if flags[0] != -flags[1]:
+    start = functools.partial(_start_reduce, group, op=MPI.MAX,
+                              what="reduce_states (layout check)")
+    if not same_everywhere(start, layout_digest(layout), timeout):
         mine = ", ".join(f"{name!r}: {shape} {'int' if exact else 'float'}"
                          for name, shape, exact in layout)
-        raise _StatesDiffer(f"reduce_states: ranks passed different states (names, shapes or "
+        raise StatesDiffer(f"reduce_states: ranks passed different states (names, shapes or "
                             f"integer/floating kinds); pass the same on every rank. This rank "
                             f"passed {{{mine}}}")
 
@@ -306,7 +302,7 @@ def reduce_states(states: Mapping[str, Any], comm: Any = None, *,
         totals = reduce_states({"loss": loss_sum, "count": n, "cm": cm}, jc)
         mean_loss = totals["loss"] / totals["count"]
     """
-    group = _group(comm)
+    group = group_of(comm)
     arrays = {name: np.asarray(as_array(value, name)) for name, value in states.items()}
     for name, array in arrays.items():
         if array.dtype.kind not in "biuf":

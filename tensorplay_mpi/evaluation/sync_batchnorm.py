@@ -43,7 +43,7 @@ from mpi4py import MPI
 from ..algorithms.requests import running_join
 from ..algorithms.joinable_comm import JoinableComm
 from ..comm.tensors import JOIN_CHECK
-from .metrics import _group, _size, _StatesDiffer, reduce_states
+from .metrics import StatesDiffer, group_of, group_size, reduce_states
 
 __all__ = ["SyncBatchNorm"]
 
@@ -58,7 +58,7 @@ def _sums(group: Any, floats: torch.Tensor, count: int | None = None,
         states["count"] = np.int64(count)
     try:
         totals = reduce_states(states, group, check=check)
-    except _StatesDiffer:
+    except StatesDiffer:
         raise ValueError(f"SyncBatchNorm: ranks have different numbers of channels (this rank "
                          f"{floats.numel() // 2}): every rank must run the same model") from None
     return torch.from_numpy(totals["sums"]), (None if count is None else int(totals["count"]))
@@ -214,7 +214,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                  process_group: JoinableComm | MPI.Intracomm | None = None,
                  device: Any = None, dtype: Any = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self.process_group = _group(process_group)
+        self.process_group = group_of(process_group)
         self._tag_parameters()
 
     def _tag_parameters(self) -> None:
@@ -235,7 +235,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if self.process_group is None:
-            self.process_group = _group(None)
+            self.process_group = group_of(None)
         self._tag_parameters()
 
     def __deepcopy__(self, memo: dict) -> "SyncBatchNorm":
@@ -266,7 +266,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                 self.running_mean is None, 0.0, self.eps)
         if not isinstance(self.process_group, JoinableComm):
             _check_not_in_join(self.process_group)
-        if _size(self.process_group) == 1:
+        if group_size(self.process_group) == 1:
             return torch.nn.functional.batch_norm(
                 input, self.running_mean if tracking else None,
                 self.running_var if tracking else None, self.weight, self.bias, True, factor,
@@ -288,7 +288,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         """
         converted = module
         if isinstance(module, SyncBatchNorm) and process_group is not None:
-            module.process_group = _group(process_group)  # converted before: the group given
+            module.process_group = group_of(process_group)  # converted before: the group given
         elif isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(
                 module, SyncBatchNorm):
             converted = cls(module.num_features, module.eps, module.momentum, module.affine,

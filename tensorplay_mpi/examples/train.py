@@ -207,15 +207,14 @@ def stopped(comm: MPI.Intracomm, reason: str | None, epoch: int, step: int,
 def make_parser() -> argparse.ArgumentParser:
     """The demo's flags (``examples.train_torch`` takes the same, but ``--checkpoint``)."""
     parser = argparse.ArgumentParser(description="Data-parallel MLP on uneven shards.")
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
+    for flag, kind, default in (("--epochs", int, 30), ("--seed", int, 0),
+                                ("--batch-size", int, 16), ("--lr", float, 0.2),
+                                ("--hidden", int, 64)):
+        parser.add_argument(flag, type=kind, default=default)
     parser.add_argument("--skew", type=float, default=1.0,
                         help="rank r holds a share proportional to 1 + skew * r (0: even)")
     parser.add_argument("--divide", choices=["world", "active"], default="world",
                         help="average over the world size or over the active ranks")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=0.2)
-    parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--min-accuracy", type=float, default=0.95,
                         help="exit 1 when the held-out accuracy is lower")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -237,11 +236,24 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k not in RESUMABLE}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = make_parser()
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The demo's flags from `argv`, checked (``examples.train_torch`` adds its own first)."""
     args = parser.parse_args(argv)
     if args.save_every < 0 or (args.save_every and not args.checkpoint):
         parser.error("--save-every takes a number of steps >= 0 and needs --checkpoint")
+    return args
+
+
+def digits(seed: int) -> tuple:
+    """:func:`load_digits_split`, or exit saying that scikit-learn is missing."""
+    try:
+        return load_digits_split(seed)
+    except ImportError:
+        raise SystemExit(MISSING_SKLEARN) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(make_parser(), argv)
     if args.checkpoint:  # until the end: a signal during the set-up rides in the first
         keep_stop_signals()  # heartbeat; one during the final save or report is harmless
     return run(args, MPI.COMM_WORLD)
@@ -249,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
     """Train, report; the exit status (0, 1, or :data:`STOPPED`)."""
-    try:
-        (x_train, y_train), (x_test, y_test) = load_digits_split(args.seed)
-    except ImportError:
-        raise SystemExit(MISSING_SKLEARN) from None
+    (x_train, y_train), (x_test, y_test) = digits(args.seed)
     xp = use_gpu(comm) if args.device == "cuda" else np
     sampler = Sampler(len(y_train), comm.rank, comm.size, batch_size=args.batch_size,
                       seed=args.seed, skew=args.skew)  # the order: f(seed, epoch, rank)

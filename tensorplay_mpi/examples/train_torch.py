@@ -37,30 +37,15 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import (
-    DataParallel,
-    Join,
-    JoinableComm,
-    checkpoint,
-    request_save,
-    stop_on_signals,
-)
+from tensorplay_mpi import (DataParallel, Join, JoinableComm, checkpoint, request_save,
+                             stop_on_signals)
 from tensorplay_mpi.checkpoint import torch_state
 from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.data import batches, shard, shard_sizes
 from tensorplay_mpi.examples.evaluation import validate
 
-from .train import (
-    MISSING_SKLEARN,
-    STOPPED,
-    epoch_done,
-    header,
-    init_mlp,
-    load_digits_split,
-    make_parser,
-    report,
-    stopped,
-)
+from .train import (STOPPED, digits, epoch_done, header, init_mlp, make_parser, parse_args, report,
+                     stopped)
 
 MISSING_TORCH = ("the torch demo needs PyTorch: pip install 'tensorplay-mpi[torch,examples]', "
                  "or from a clone pip install -e '.[torch,examples]'")
@@ -114,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--norm", choices=["batch", "sync", "none"], default="batch",
                         help="the hidden layer's normalisation: BatchNorm1d (batch), "
                              "SyncBatchNorm through the Join's JoinableComm (sync), or none")
-    args = parser.parse_args(argv)
-    if args.save_every < 0 or (args.save_every and not args.checkpoint):
-        parser.error("--save-every takes a number of steps >= 0 and needs --checkpoint")
+    args = parse_args(parser, argv)
     if args.device != "cpu":
         raise SystemExit(NO_CUDA)
     try:
@@ -133,10 +116,7 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
     """Train, report; the exit status (0, 1, or :data:`~tensorplay_mpi.examples.train.STOPPED`)."""
     import torch
 
-    try:
-        (x_train, y_train), (x_test, y_test) = load_digits_split(args.seed)
-    except ImportError:
-        raise SystemExit(MISSING_SKLEARN) from None
+    (x_train, y_train), (x_test, y_test) = digits(args.seed)
     mine = shard(len(y_train), comm.rank, comm.size, args.skew)
     per_epoch = math.ceil(max(shard_sizes(len(y_train), comm.size, args.skew)) / args.batch_size)
     model = make_model(x_train.shape[1], args.hidden, 10, args.seed, args.norm)

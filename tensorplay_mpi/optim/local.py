@@ -21,14 +21,14 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..algorithms.join import Join, Joinable, JoinHook
+from ..algorithms.join import Join
 from ..comm.buffers import device_of, zeros_like
 from ..comm.collectives import check_comm
 from ..comm.tensors import as_arrays
-from ..parallel.gradient_link import GradientViews, PlaceCheck, comm_of, used_of
 from ..process import set_up
 from . import rules
 from .clip import clip_grad_norm
+from .linked import LinkedOptimizer
 from .protocol import OptimizerState, check_params, check_state
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
@@ -43,7 +43,7 @@ def _zeros_like(p: Any) -> Any:
     return rules.aligned_zeros(p.shape, p.dtype) if type(p) is np.ndarray else zeros_like(p)
 
 
-class Optimizer(Joinable, OptimizerState):
+class Optimizer(LinkedOptimizer, OptimizerState):
     """Base class: bound params and grads, one group of hyperparameters, per-parameter state.
 
     Subclasses set :attr:`state_names` and implement :meth:`_update` and :meth:`_checked`.
@@ -88,9 +88,7 @@ class Optimizer(Joinable, OptimizerState):
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  comm: MPI.Intracomm | None = None, **defaults: Any) -> None:
         super().__init__()
-        self._link = GradientViews.of(grads)  # dp.grads carries its DataParallel, else None
-        self._place_check = PlaceCheck()
-        self.comm = check_comm(comm_of(self._link) if comm is None else comm)
+        self.comm = check_comm(self._link_grads(grads, comm))
         self.params = as_arrays(params, "params")  # torch tensors: NumPy views
         self.grads = as_arrays(grads, "grads")
         check_params(self.params, self.grads)
@@ -105,8 +103,7 @@ class Optimizer(Joinable, OptimizerState):
         self._flat = [p.reshape(-1) for p in self.params]  # views: a 0-d param is (1,)
         self._flat_state = [{k: a.reshape(-1) for k, a in s.items()} for s in self.state]
         self._scratch = rules.Scratch()
-        if self._link is not None:  # DataParallel then checks its Joins for us
-            self._link.step_with(self, must_join=bool(self.state_names))
+        self._step_with_link(must_join=bool(self.state_names))
 
     def step(self) -> None:
         """Update every parameter in place from its gradient (local: no communication)."""
@@ -122,7 +119,7 @@ class Optimizer(Joinable, OptimizerState):
         DataParallel owning the gradients, else all.
         """
         if used is None:
-            used = used_of(self._link)
+            used = self._used()
         hyper = self._hyper(self.steps + 1)
         self.steps += 1
         if hyper.get("max_grad_norm") is not None:
@@ -226,9 +223,6 @@ class Optimizer(Joinable, OptimizerState):
         """The parameters, the state and the step counts: the same on every rank."""
         return [*self.params, *self.replicated_state()]
 
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        return _OptimizerHook(self)
-
     @property
     def join_device(self) -> str:
         return device_of(self.params[0]) if self.params else "cpu"
@@ -237,18 +231,10 @@ class Optimizer(Joinable, OptimizerState):
     def join_process_group(self) -> MPI.Intracomm:
         return self.comm
 
-    def end_iteration(self) -> None:
-        """Check, on every rank, that the joinable writing the grads comes first."""
-        self._place_check(self.join_context, self, self._link, must_join=False)
-
-
-class _OptimizerHook(JoinHook):
-    def __init__(self, optimizer: Optimizer) -> None:
-        self.optimizer = optimizer
-
-    def main_hook(self) -> None:
-        """Step once with the averaged gradients the earlier joinable's hook wrote."""
-        self.optimizer.update()
+    def _shadow_step(self) -> None:
+        """A joined rank's step: with the averaged gradients the earlier joinable's hook
+        wrote."""
+        self.update()
 
 
 class SGD(Optimizer):

@@ -19,12 +19,12 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.guarded_joinable import GuardedJoinable
-from ..algorithms.join import Join, JoinHook
+from ..algorithms.join import Join
 from ..comm.buffers import check_disjoint, device_of, zeros_like
 from ..comm.collectives import Work, ibcast, irecv, isend
 from ..comm.tensors import as_arrays
-from ..parallel.gradient_link import GradientViews, PlaceCheck, comm_of, used_of
 from .clip import clip_grad_norm
+from .linked import LinkedOptimizer
 from .local import Adam, Optimizer
 from .protocol import OptimizerState, check_params, check_state, is_writeable
 
@@ -50,7 +50,7 @@ def partition(nbytes: Sequence[int], size: int) -> list[int]:
     return owners
 
 
-class ZeroRedundancyOptimizer(GuardedJoinable, OptimizerState):
+class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
     """Optimizer whose state is sharded over the ranks of `comm`.
 
     Collective over `comm`: every rank constructs it with the same parameter shapes, dtypes
@@ -83,12 +83,12 @@ class ZeroRedundancyOptimizer(GuardedJoinable, OptimizerState):
     """
 
     _announces_blocks = True  # its step: one announced block (shard update, parameter sync)
+    _needs_writer = False  # alone in a Join, with gradients of its own, it needs none before it
 
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  optimizer_class: type[Optimizer] = Adam, comm: MPI.Intracomm | None = None,
                  timeout: float | None = None, **defaults: Any) -> None:
-        link = GradientViews.of(grads)  # dp.grads carries its DataParallel, else None
-        super().__init__(comm_of(link) if comm is None else comm, timeout)
+        super().__init__(self._link_grads(grads, comm), timeout)
         self.params = as_arrays(params, "params")  # torch tensors: NumPy views
         grads = as_arrays(grads, "grads")
         try:  # memory sharing is no part of the layout: a rank that has it refuses
@@ -120,11 +120,8 @@ class ZeroRedundancyOptimizer(GuardedJoinable, OptimizerState):
                                      **defaults)
         self._packs, self._direct = self._sync_plan()
         self._consolidated: dict[str, Any] | None = None
-        self._link = link
-        self._place_check = PlaceCheck()
         self._shard_index = np.asarray(self.shard, dtype=np.intp)
-        if link is not None:  # DataParallel's Joins must list this optimizer, which steps
-            link.step_with(self, must_join=True)  # in place of its shard optimizer
+        self._step_with_link(must_join=True)  # in place of its shard optimizer
 
     sharded = True
 
@@ -174,7 +171,7 @@ class ZeroRedundancyOptimizer(GuardedJoinable, OptimizerState):
     def _step_shard_and_sync(self) -> None:
         if self.max_grad_norm is not None:
             clip_grad_norm(self.grads, self.max_grad_norm)
-        used = used_of(self._link)
+        used = self._used()
         self.local.update(None if used is None else used[self._shard_index])
         works = []
         for owner, flat, views in self._packs:
@@ -291,20 +288,7 @@ class ZeroRedundancyOptimizer(GuardedJoinable, OptimizerState):
         """The parameters (the state is sharded: each rank's own)."""
         return list(self.params)
 
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        return _ZeroHook(self)
-
-    def end_iteration(self) -> None:
-        """With ``dp.grads``: check, on every rank, that their DataParallel comes first (alone
-        in a Join, with gradients of its own, it needs nothing before it)."""
-        if self._link is not None:
-            self._place_check(self.join_context, self, self._link, must_join=False)
-
-
-class _ZeroHook(JoinHook):
-    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
-        self.zero = zero
-
-    def main_hook(self) -> None:
-        """Step this rank's shard with its gradients and take part in the parameter sync."""
-        self.zero._step_shard_and_sync()
+    def _shadow_step(self) -> None:
+        """A joined rank's step: this rank's shard with the gradients, and its part in the
+        parameter sync."""
+        self._step_shard_and_sync()

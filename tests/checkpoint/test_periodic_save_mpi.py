@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tensorplay_mpi import (SGD, DataParallel, Join, JoinableComm, checkpoint, clear_save,
-                            clear_stop, request_save, request_stop, save_requested)
+                            request_save, request_stop, save_requested)
 from tensorplay_mpi.testing import assert_all, raises_everywhere
 
 LR, MOMENTUM = 0.1, 0.5
@@ -17,15 +17,6 @@ INPUTS = {
     "growing": lambda r, size: 5 + 3 * r,
     "rank0_none": lambda r, size: 0 if r == 0 < size - 1 else 5 + 3 * r,
 }
-
-
-@pytest.fixture(autouse=True)
-def no_request_left():
-    clear_save()
-    clear_stop()
-    yield
-    clear_save()
-    clear_stop()
 
 
 def grads_at(rank, i):

@@ -17,13 +17,6 @@ SAMPLES, BATCH, SKEW = 61, 4, 1.0
 PAIRS = [(2, 3), (3, 2), (4, 2), (1, 2), (2, 1)]
 
 
-@pytest.fixture(autouse=True)
-def no_stop_left():
-    clear_stop()
-    yield
-    clear_stop()
-
-
 def data():
     rng = np.random.default_rng(1)
     x = rng.normal(size=(SAMPLES, 3))

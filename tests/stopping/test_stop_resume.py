@@ -4,25 +4,17 @@ import functools
 import re
 
 import pytest
-from helpers import PROGRAMS
+from helpers import STOP_DEMO, demo_digest
 
 from tensorplay_mpi.examples.train import STOPPED
 from tensorplay_mpi.testing import run_mpi
 
 DEMO = ["--epochs", "2", "--hidden", "16", "--min-accuracy", "0"]
-STOP_DEMO = str(PROGRAMS / "stop_demo.py")
-
-
-def digest(result):
-    found = re.search(r"parameters identical on all \d+ ranks: yes \(digest ([0-9a-f]+)\)",
-                      result.stdout)
-    assert result.returncode == 0 and found, f"{result.stdout}\n{result.stderr}"
-    return found.group(1)
 
 
 @functools.cache
 def reference(nprocs):
-    return digest(run_mpi(nprocs, ["-m", "tensorplay_mpi.examples.train", *DEMO], timeout=120))
+    return demo_digest(run_mpi(nprocs, ["-m", "tensorplay_mpi.examples.train", *DEMO], timeout=120))
 
 
 @pytest.mark.parametrize("nprocs, signal, ranks, batch, where", [
@@ -45,7 +37,7 @@ def test_a_stopped_demo_resumes_to_the_digest_of_a_run_never_stopped(tmp_path, n
     resumed = run_mpi(nprocs, ["-m", "tensorplay_mpi.examples.train", *args], timeout=120)
     assert re.search(rf"resumed from {tmp_path}/checkpoint.npz: {where}", resumed.stdout), \
         resumed.stdout
-    assert digest(resumed) == reference(nprocs)
+    assert demo_digest(resumed) == reference(nprocs)
     if nprocs == 2:  # once more: a completed run only reports
         again = run_mpi(nprocs, ["-m", "tensorplay_mpi.examples.train", *args], timeout=120)
-        assert "training was complete" in again.stdout and digest(again) == reference(nprocs)
+        assert "training was complete" in again.stdout and demo_digest(again) == reference(nprocs)

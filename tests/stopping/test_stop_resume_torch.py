@@ -6,7 +6,7 @@ import functools
 import re
 
 import pytest
-from test_stop_resume import STOP_DEMO, digest
+from helpers import STOP_DEMO, demo_digest
 
 from tensorplay_mpi.examples.train import STOPPED
 from tensorplay_mpi.testing import run_mpi
@@ -19,7 +19,7 @@ TORCH_DEMO = ["-m", "tensorplay_mpi.examples.train_torch"]
 
 @functools.cache
 def reference(nprocs):
-    return digest(run_mpi(nprocs, [*TORCH_DEMO, *DEMO], timeout=120))
+    return demo_digest(run_mpi(nprocs, [*TORCH_DEMO, *DEMO], timeout=120))
 
 
 @pytest.mark.parametrize("nprocs, signal, ranks, batch, where", [
@@ -39,4 +39,4 @@ def test_a_stopped_torch_demo_resumes_to_the_digest_of_a_run_never_stopped(
     resumed = run_mpi(nprocs, [*TORCH_DEMO, *args], timeout=120)
     assert re.search(rf"resumed from {tmp_path}/checkpoint.npz: {where}", resumed.stdout), \
         resumed.stdout
-    assert digest(resumed) == reference(nprocs)
+    assert demo_digest(resumed) == reference(nprocs)
