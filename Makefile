@@ -19,7 +19,7 @@ CORE_TESTS   := tests/join/test_join_mpi.py tests/parallel/test_data_parallel_mp
                 tests/parallel/test_data_parallel_misuse_mpi.py \
                 tests/comm/test_joinable_comm_mpi.py tests/optim/test_zero_mpi.py
 
-.PHONY: help venv test test-serial test-slow test-mpi test-unfused test-nopersistent test-8 soak-32 test-noshm test-openmpi docs slurm-test stop-trials demo \
+.PHONY: help venv test test-serial test-slow test-mpi test-unfused test-nopersistent test-8 soak-32 test-noshm test-openmpi docs api-docs slurm-test stop-trials demo \
         lint bench bench-fresh bench-threads bench-torch gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
@@ -129,6 +129,11 @@ stop-trials: venv  ## random-signal stop and resume trials of the demo (make tes
 	MPIEXEC="$(MPIEXEC)" timeout -k 10 600 $(PY) tests/programs/kill_trials.py --demo torch \
 	  --norm sync --ranks $(filter 2 3,$(RANKS)) --trials 2 --dir "$$dir/kill-sync"
 
+# The summaries at the top of docs/api/*.md (each public name's signature and first docstring
+# line), written from the code; tests/project/test_api_docs.py fails while one is out of date.
+api-docs: venv  ## rewrite the API pages' summaries (docs/api/*.md) from the docstrings
+	$(PY) docs/api_summary.py
+
 # The documentation site, warnings as errors (its examples run in tests/project/test_docs.py).
 docs: venv  ## the documentation site in docs/_build/html, warnings as errors
 	$(PY) -m pip install -q -e '.[$(EXTRAS),docs]'
@@ -148,7 +153,7 @@ demo: $(VENV)/.demo  ## data-parallel training on uneven shards at RANKS ranks (
 
 # ruff (configured in pyproject.toml) over the code, mypy over the package.
 lint: $(VENV)/.lint  ## ruff and mypy (configured in pyproject.toml)
-	$(BIN)/ruff check tensorplay_mpi tests benchmarks docs/conf.py
+	$(BIN)/ruff check tensorplay_mpi tests benchmarks docs/conf.py docs/api_summary.py
 	$(BIN)/mypy
 
 $(VENV)/.lint: setup.cfg pyproject.toml | $(PY)

@@ -3,7 +3,7 @@
 As in mpi4py's own test suite: the array exposes ``__cuda_array_interface__`` (and a CUDA DLPack
 device) over host memory, so MPI can read and write it directly, as CUDA-aware MPI would.  It
 counts what the library does to it: stream synchronisations (through the patched
-``_synchronize_stream``), device-to-host and host-to-device copies (CuPy's ``get``/``set``).
+``synchronize_stream``), device-to-host and host-to-device copies (CuPy's ``get``/``set``).
 """
 
 import numpy as np
@@ -58,6 +58,6 @@ def use_mode(monkeypatch, aware):
     """Make the library take the CUDA-aware (True) or host-staging (False) path."""
     monkeypatch.setenv("TENSORPLAY_MPI_CUDA_AWARE", "1" if aware else "0")
     reset_settings()
-    monkeypatch.setattr(buffers, "_synchronize_stream", count_sync)
+    monkeypatch.setattr(buffers, "synchronize_stream", count_sync)
     Counters.reset()
 

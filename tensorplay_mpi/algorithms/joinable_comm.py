@@ -114,6 +114,13 @@ class JoinableComm(GuardedJoinable):
         self._where = "iteration 0"
         self._persistent = self._persistent_everywhere()
 
+    @property
+    def persistent(self) -> PersistentCollectives | None:
+        """The persistent collectives of the small operations while every rank is active, when
+        ``TENSORPLAY_MPI_PERSISTENT`` turns them on (:mod:`tensorplay_mpi.comm.persistent`),
+        else ``None``."""
+        return self._persistent
+
     def _persistent_everywhere(self) -> PersistentCollectives | None:
         """The persistent collectives, if ``TENSORPLAY_MPI_PERSISTENT`` turns them on on every
         rank; ``ValueError`` on every rank if on some only (collective: one allgather)."""

@@ -135,10 +135,10 @@ def synchronize(array: Any) -> None:
         return
     stream = getattr(array, "__cuda_array_interface__", {}).get("stream")
     if stream:
-        _synchronize_stream(stream)
+        synchronize_stream(stream)
 
 
-def _synchronize_stream(stream: int) -> None:
+def synchronize_stream(stream: int) -> None:
     """Synchronise a CUDA stream given by its ``__cuda_array_interface__`` handle."""
     cupy = sys.modules.get("cupy")
     if cupy is None:

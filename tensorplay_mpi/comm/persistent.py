@@ -93,6 +93,10 @@ class PersistentCollectives:
         self._in_place: dict[int, tuple[MPI.Prequest, np.ndarray]] = {}
         _live.add(self)
 
+    def __len__(self) -> int:
+        """The number of persistent requests kept (one per signature used)."""
+        return len(self._cache) + len(self._in_place)
+
     def free(self) -> None:
         """Free every kept request (all inactive: each start was waited for, and one that
         failed belongs to the registry and is no longer kept); local, not collective."""

@@ -49,7 +49,7 @@ def test_small_operations_are_exact_with_and_without_persistent_collectives(
                 errors.append(_iteration(jc, comm.rank, t, active))
         for t in range(2):  # outside a Join: every rank
             errors.append(_iteration(jc, comm.rank, t, list(range(comm.size))))
-        used = jc._persistent is not None and bool(jc._persistent._cache)
+        used = jc.persistent is not None and len(jc.persistent) > 0
     finally:
         reset_settings()
     errors = [e for e in errors if e]

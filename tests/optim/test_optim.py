@@ -2,6 +2,7 @@
 
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from textbook import HYPER, optimizer, step
 from tensorplay_mpi import DataParallel, Join
 from tensorplay_mpi.optim import SGD, Adam, AdamW, clip_grad_norm, rules
 from tensorplay_mpi.optim.zero import partition
+from tensorplay_mpi.testing import reset_process_state
 
 STEPS = 4
 
@@ -411,12 +413,19 @@ def test_the_fused_setting_chooses_the_kernels(fused_setting, monkeypatch, value
 
 
 def test_fused_required_without_numba_is_a_runtime_error(fused_setting, monkeypatch):
-    monkeypatch.setattr(rules, "_import_fused", lambda: None)
-    fused_setting("1")
-    with pytest.raises(RuntimeError, match=r"TENSORPLAY_MPI_FUSED=1 but numba .*\[fused\]"):
-        SGD([np.ones(2)], [np.ones(2)], lr=0.1)
-    fused_setting("auto")
-    SGD([np.ones(2)], [np.ones(2)], lr=0.1).step()  # auto: the NumPy rules
+    import tensorplay_mpi.optim
+    try:
+        with monkeypatch.context() as patch:
+            patch.setitem(sys.modules, "tensorplay_mpi.optim.fused", None)  # cannot be imported
+            patch.delattr(tensorplay_mpi.optim, "fused", raising=False)
+            reset_process_state()  # the import is tried again (process.STATE)
+            fused_setting("1")
+            with pytest.raises(RuntimeError, match=r"TENSORPLAY_MPI_FUSED=1 but numba .*\[fused\]"):
+                SGD([np.ones(2)], [np.ones(2)], lr=0.1)
+            fused_setting("auto")
+            SGD([np.ones(2)], [np.ones(2)], lr=0.1).step()  # auto: the NumPy rules
+    finally:
+        reset_process_state()  # the kernels back for the tests after this one
 
 
 def test_a_bad_fused_setting_is_a_value_error(fused_setting):
@@ -427,12 +436,10 @@ def test_a_bad_fused_setting_is_a_value_error(fused_setting):
 
 def test_the_fused_steps_start_no_threads(fused_setting):
     pytest.importorskip("numba")
-    from numba.np.ufunc import parallel
     fused_setting("1")
     params = [np.ones(100_000, np.float32), np.ones(10)]
     opt = AdamW(params, [np.ones_like(p) for p in params])  # compiles (LLVM may add a thread)
     before = os.listdir("/proc/self/task")
     for _ in range(3):
         opt.step()
-    assert os.listdir("/proc/self/task") == before and np.all(params[0] < 1)
-    assert not parallel._is_initialized  # numba's thread pool never started
+    assert os.listdir("/proc/self/task") == before and np.all(params[0] < 1)  # no thread pool
