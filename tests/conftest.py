@@ -1,4 +1,5 @@
-"""Shared fixtures, and the three tiers of this suite (``make test`` runs them all):
+"""Shared fixtures, and the three tiers of this suite (``make test`` runs them all, but the
+serial tests marked ``slow`` by :data:`SLOW`: ``make test-slow`` runs those, and CI both):
 
 1. serial tests: ``pytest -m "not mpi"``, one process, no ``mpiexec`` (``COMM_WORLD`` has one
    rank): the API, user errors, buffers, settings, docs and packaging;

@@ -9,6 +9,7 @@ import pytest
 
 from tensorplay_mpi import (SGD, DataParallel, Join, JoinableComm, checkpoint, clear_save,
                             request_save, request_stop, save_requested)
+from tensorplay_mpi.algorithms.requests import running_join, saving_join
 from tensorplay_mpi.testing import assert_all, raises_everywhere
 
 LR, MOMENTUM = 0.1, 0.5
@@ -127,6 +128,23 @@ def test_a_stop_in_the_same_heartbeat_wins_over_a_save(comm):
             ran += 1
     assert_all(join.stopped and join.save_due and not saved and ran == 2,
                f"stopped {join.stopped} save_due {join.save_due} saves {saved} ran {ran}")
+    assert_all(save_requested() is None, "the Join handed the save to its caller: withdrawn")
+
+
+@pytest.mark.mpi
+def test_running_join_and_saving_join_tell_where_a_save_may_run(comm):
+    dp = DataParallel([np.zeros(2)], comm=comm)
+    seen = []
+    with Join([dp], on_save=lambda: seen.append((running_join(), saving_join()))) as join:
+        seen.append((running_join(), saving_join()))
+        for _ in range(2 + comm.rank):  # rank 0 joins first: its save runs in a shadow round
+            request_save("now")
+            with dp.step():
+                dp.grads[0][...] = 1.0
+    after = (running_join(), saving_join())
+    inside, saves = seen[0], seen[1:]
+    assert_all(inside == (join, None) and after == (None, None) and len(saves) == join.saves > 0
+               and all(s == (None, join) for s in saves), f"{seen} {after}")
 
 
 def shared_checkpoint(comm, directory):

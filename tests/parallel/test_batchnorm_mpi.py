@@ -92,7 +92,7 @@ def serial_sync_batchnorm(inputs, micro, make_update):
         for m in range(micro):
             loss = sse(model, *global_batch(inputs, t, m))
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         losses.append(total)
         for p in model.parameters():
             p.grad /= len(inputs)
