@@ -19,7 +19,7 @@ CORE_TESTS   := tests/join/test_join_mpi.py tests/parallel/test_data_parallel_mp
                 tests/parallel/test_data_parallel_misuse_mpi.py \
                 tests/comm/test_joinable_comm_mpi.py tests/optim/test_zero_mpi.py
 
-.PHONY: help venv test test-serial test-slow test-mpi test-unfused test-nopersistent test-8 soak-32 test-noshm test-openmpi docs api-docs slurm-test stop-trials demo \
+.PHONY: help venv test test-serial test-slow test-mpi test-unfused test-nopersistent test-8 soak-32 test-noshm test-multihost test-openmpi docs api-docs slurm-test stop-trials demo \
         lint bench bench-fresh bench-threads bench-torch gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
@@ -96,6 +96,13 @@ NOSHM := MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp,self
 test-noshm: venv  ## the MPI tests at 2-4 ranks with shared memory off (the network path)
 	$(NOSHM) timeout 60 $(MPIEXEC) -n 2 $(PY) tests/programs/transport.py --expect-remote
 	$(NOSHM) $(MAKE) test-mpi RANKS="2 3 4"
+
+# Across hosts: two simulated hosts (network namespaces with their own addresses, hostnames and
+# /dev/shm; needs root, else it skips saying why), 2 ranks each, launched by MPICH's hydra through
+# an ssh stand-in: the core MPI tests, what depends on the host, the demos, the stop trials.
+test-multihost: venv  ## the core tests, host checks, demos and stop trials on 2 simulated hosts
+	PY=$(PY) MPIEXEC=$(MPIEXEC) CORE_TESTS="$(CORE_TESTS)" timeout -k 10 1200 \
+	  bash tests/multihost/run.sh
 
 # The MPI test suite once more against Open MPI (the PyPI wheel, in a second venv), so that
 # nothing silently depends on MPICH; oversubscribed beyond 2 ranks on 2 cores.

@@ -74,15 +74,24 @@ def init_mlp(n_in: int, hidden: int, n_out: int, seed: int) -> list[np.ndarray]:
     ]
 
 
+def node_local_rank(comm: MPI.Intracomm) -> tuple[int, int]:
+    """This rank's place among the ranks of `comm` on its node, and their number.
+
+    Collective (a blocking ``Split_type``): call it before any Join."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+
+
 def use_gpu(comm: MPI.Intracomm) -> ModuleType:
     """Import CuPy and use GPU ``node-local rank % GPUs visible``; return the cupy module."""
     try:
         import cupy
     except ImportError:
         raise SystemExit(MISSING_CUPY) from None
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # the ranks on this node; before any Join
-    local_rank = node.Get_rank()
-    node.Free()
+    local_rank, _ = node_local_rank(comm)
     cupy.cuda.Device(local_rank % cupy.cuda.runtime.getDeviceCount()).use()
     return cupy
 

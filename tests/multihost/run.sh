@@ -1,0 +1,123 @@
+#!/bin/bash
+# make test-multihost: the library across simulated hosts, each with its own network stack.
+#
+# Sets up HOSTS simulated hosts (network namespaces tpmh-h1, tpmh-h2, ... on a bridge, with
+# addresses of the benchmarking range 198.18.0.0/24 that exist only inside this machine), an
+# ssh stand-in that runs a command "on" a host (tests/multihost/host-exec: its namespace, its
+# hostname, its own /dev/shm), and an mpiexec that launches through it (MPICH's hydra: -launcher
+# ssh, -iface on the bridge, PPN ranks per host). Then runs, across the hosts:
+#   1. the core MPI tests, and tests/multihost/test_hosts_mpi.py: what depends on the host (the
+#      node-local ranks, the thread limit per node, the info report, the launch check);
+#   2. the NumPy and torch demos, and the NumPy demo's training time on one host and across two
+#      hosts at the same rank count;
+#   3. the stop trials (real signals stop the demo; it resumes exactly), in one job.
+# Tears every namespace and link down on exit, failed or not. Without root or network
+# namespaces it says why it skips, and exits 0.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$(pwd)
+PY=$(realpath -s "${PY:-.venv/bin/python}")  # -s: a venv's python is a link
+REAL_MPIEXEC=$(realpath -s "${MPIEXEC:-.venv/bin/mpiexec}")
+HOSTS=${HOSTS:-2}
+PPN=${PPN:-2}
+CORE_TESTS=${CORE_TESTS:?the core MPI test files}
+STOP_TRIALS=${STOP_TRIALS:-6}
+PREFIX=tpmh
+export TP_HOSTS_PREFIX=$PREFIX
+
+skip() { echo "make test-multihost: skipped: $*"; exit 0; }
+[ "$(id -u)" = 0 ] || skip "it needs root to make network namespaces"
+command -v ip > /dev/null || skip "no ip command (Debian's iproute2)"
+command -v unshare > /dev/null || skip "no unshare command (util-linux)"
+ip netns add $PREFIX-probe 2> /dev/null || skip "network namespaces are refused here"
+ip netns del $PREFIX-probe
+
+WORK=$(mktemp -d)
+down() {  # every process left in a host, the hosts, their links, the bridge
+  for i in $(seq 1 9); do
+    ip netns pids $PREFIX-h$i 2> /dev/null | xargs -r kill -9 2> /dev/null || true
+    ip netns del $PREFIX-h$i 2> /dev/null || true
+    ip link del $PREFIX-v$i 2> /dev/null || true
+  done
+  ip link del $PREFIX-br 2> /dev/null || true
+  rm -rf "$WORK"
+}
+down 2> /dev/null  # a previous run's, if it was killed
+WORK=$(mktemp -d)
+trap down EXIT
+
+ip link add $PREFIX-br type bridge
+ip addr add 198.18.0.254/24 dev $PREFIX-br
+ip link set $PREFIX-br up
+names=""
+for i in $(seq 1 "$HOSTS"); do
+  ip netns add $PREFIX-h$i
+  ip link add $PREFIX-v$i type veth peer name eth0 netns $PREFIX-h$i
+  ip link set $PREFIX-v$i master $PREFIX-br up
+  ip -n $PREFIX-h$i addr add 198.18.0.$i/24 dev eth0
+  ip -n $PREFIX-h$i link set eth0 up
+  ip -n $PREFIX-h$i link set lo up
+  names=${names:+$names,}h$i
+done
+launcher() {  # an mpiexec over the simulated hosts with $1 ranks per host
+  cat > "$WORK/mpiexec-$1" << EOF
+#!/bin/sh
+exec "$REAL_MPIEXEC" -launcher ssh -launcher-exec "$ROOT/tests/multihost/host-exec" \
+  -iface $PREFIX-br -hosts $names -ppn $1 "\$@"
+EOF
+  chmod +x "$WORK/mpiexec-$1"
+}
+launcher "$PPN"
+launcher 1
+export MPIEXEC=$WORK/mpiexec-$PPN TP_TEST_HOSTS=$names TP_TEST_PPN=$PPN
+N=$((HOSTS * PPN))
+echo "== $HOSTS simulated hosts ($names), $PPN ranks each: $N ranks"
+start=$(date +%s)
+
+echo "== the core MPI tests and the host checks across the hosts"
+rm -rf .test-logs
+timeout -k 10 900 "$MPIEXEC" -n $N tests/rank-logs "$PY" -m mpi4py -m pytest --with-mpi -m mpi \
+  -q --color=no --timeout=120 --timeout-method=thread $CORE_TESTS tests/multihost/test_hosts_mpi.py \
+  || { tail -n 100 .test-logs/*.log 2> /dev/null; echo "FAILED across hosts"; exit 1; }
+
+demo() {  # demo MODULE MPIEXEC RANKS ARGS...: run it, check its last lines, print its time
+  local module=$1 launch=$2 ranks=$3
+  shift 3
+  local out
+  out=$(timeout -k 10 300 "$launch" -n "$ranks" "$PY" -m mpi4py -m "$module" "$@" 2>&1) \
+    || { echo "$out"; echo "FAILED: $module across hosts"; exit 1; }
+  grep -q "parameters identical on all $ranks ranks: yes" <<< "$out" \
+    || { echo "$out"; echo "FAILED: $module's parameters differ across hosts"; exit 1; }
+  grep "training time" <<< "$out"
+}
+echo "== the launch check on each host: singletons that the environment says are a job"
+cat > "$WORK/launch_check.py" << EOF
+import sys
+from tensorplay_mpi.process import launch_problem
+sys.exit(0 if "PMI_SIZE=2" in (launch_problem() or "") else 1)
+EOF
+for i in $(seq 1 "$HOSTS"); do  # as with ssh, the command is one string for the host's shell
+  tests/multihost/host-exec h$i "env PMI_SIZE=2 $PY $WORK/launch_check.py" \
+    || { echo "FAILED: a singleton on h$i with PMI_SIZE=2 passed the launch check"; exit 1; }
+done
+
+echo "== the demos across the hosts"
+demo tensorplay_mpi.examples.train "$MPIEXEC" $N --epochs 5 --min-accuracy 0.9
+if "$PY" -c "import torch" 2> /dev/null; then
+  demo tensorplay_mpi.examples.train_torch "$MPIEXEC" $N --epochs 3 --min-accuracy 0.8
+fi
+echo "== the NumPy demo's training time at 2 ranks, 1 thread each, 20 epochs (1200 steps of the"
+echo "   rank with more samples): one host, then two hosts, 3 times interleaved"
+for _ in 1 2 3; do
+  for where in "one host :$REAL_MPIEXEC" "two hosts:$WORK/mpiexec-1"; do
+    echo -n "${where%%:*}  "
+    TENSORPLAY_MPI_THREADS=1 demo tensorplay_mpi.examples.train "${where#*:}" 2 --epochs 20 \
+      --min-accuracy 0.9
+  done
+done
+
+echo "== the stop trials across the hosts ($STOP_TRIALS trials)"
+timeout -k 10 600 "$MPIEXEC" -n $N "$PY" -m mpi4py tests/programs/stop_trials.py \
+  --trials "$STOP_TRIALS" --dir "$WORK/stop-trials"
+
+echo "make test-multihost: passed across $HOSTS hosts x $PPN ranks in $(( $(date +%s) - start )) s"
