@@ -44,7 +44,7 @@ $(VENV)/.demo: setup.cfg pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e '.[mpich,examples]'
 	touch $@
 
-test: test-serial test-mpi  ## every test: serial, then MPI at 1, 2, 3 and 4 ranks
+test: test-serial test-mpi  ## serial tests (but the slow ones), then MPI at 1, 2, 3 and 4 ranks
 
 test-serial: venv  ## the serial tests (no mpiexec), but the slow ones
 	$(PY) -m pytest -m "not mpi and not slow" -q --timeout=$(RUN_TIMEOUT) --timeout-method=thread tests

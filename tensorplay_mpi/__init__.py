@@ -21,11 +21,16 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> object:
     """``SyncBatchNorm`` on first use: ``import tensorplay_mpi`` does not import torch (a
-    ``from tensorplay_mpi import *`` does, as it takes every name of ``__all__``)."""
+    ``from tensorplay_mpi import *`` does where it is installed, as it takes every name of
+    ``__all__``; without torch it gets a stand-in that raises ``ImportError`` when used)."""
     if name == "SyncBatchNorm":
-        from .evaluation.sync_batchnorm import SyncBatchNorm
-        return SyncBatchNorm
+        from .evaluation import sync_batchnorm_class
+        return sync_batchnorm_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "SyncBatchNorm"])
 
 __all__ = [
     "Join", "Joinable", "JoinHook", "Work", "DataParallel", "JoinableComm", "SyncBatchNorm",

@@ -213,10 +213,10 @@ STATE: tuple[State, ...] = (
 """Every piece of process-wide state of the library (docs/api/index.md shows this table)."""
 
 
-def reset_state(scopes: Iterable[str] = ("settings", "requests", "process")) -> None:
-    """Reset every resettable piece of :data:`STATE` in `scopes` (:attr:`State.scope`; all by
-    default): the next library call decides again from the environment as it is then (thread
-    limits already applied stay applied).
+def reset_state(scopes: str | Iterable[str] = ("settings", "requests", "process")) -> None:
+    """Reset every resettable piece of :data:`STATE` in `scopes` (:attr:`State.scope`, one
+    name or several; all by default): the next library call decides again from the
+    environment as it is then (thread limits already applied stay applied).
 
     Raises
     ------
@@ -226,7 +226,7 @@ def reset_state(scopes: Iterable[str] = ("settings", "requests", "process")) -> 
     ValueError
         For an unknown scope.
     """
-    scopes = set(scopes)
+    scopes = {scopes} if isinstance(scopes, str) else set(scopes)
     unknown = scopes - {"settings", "requests", "process"}
     if unknown:
         raise ValueError(f"unknown scope(s) {sorted(unknown)}: the scopes are 'settings', "

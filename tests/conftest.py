@@ -29,8 +29,9 @@ from tensorplay_mpi.testing import reset_between_tests
 SLOW = (
     # randomised failure points: every neighbouring pair at 2 ranks, samples at 3 and 4 (~100 s)
     "tests/join/test_failure_points.py::*",
-    # real signals stop the demos, which resume to the digest of a run never stopped (~75 s)
-    "tests/stopping/test_stop_resume.py::*",
+    # real signals stop the demos, which resume to the digest of a run never stopped (~70 s;
+    # the NumPy demo's case at 2 ranks stays)
+    "tests/stopping/test_stop_resume.py::*[[][134]-*",
     "tests/stopping/test_stop_resume_torch.py::*",
     # the documentation's examples at 3 ranks (at 1 rank they stay in make test; ~50 s)
     "tests/project/test_docs.py::test_docs_example_runs[[]*-3[]]",

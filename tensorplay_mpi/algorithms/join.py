@@ -520,7 +520,6 @@ class Join:
                     self._wait_heartbeats()
                     self._requests.run_due_save(self)
                     self._join_loop()
-                    self._requests.finish()
                 except BaseException as error:
                     self._settle(error)
                     raise

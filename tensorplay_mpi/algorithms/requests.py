@@ -4,7 +4,10 @@
 A rank's requests are flags (:mod:`tensorplay_mpi.stopping`: a signal or a call sets them).  A
 Join holds one :class:`Requests`, which puts them into the bits of its heartbeats and polls,
 reads what every rank asked from their sums, runs ``on_save`` where every rank is at one
-iteration, and withdraws this rank's save request, in one place, once a Join served it.  The
+iteration, and withdraws every rank's save request there, in one place: as the save starts (it
+serves every request made before it).  A request that no ``on_save`` served (a Join without
+one, or one that stopped first, where ``join.save_due`` tells the caller) stays pending for the
+next Join's ``on_save``, or until :func:`~tensorplay_mpi.stopping.clear_save`.  The
 registry of entered Joins lives here too: :func:`running_join` and :func:`saving_join` tell
 the layers above (checkpoint, SyncBatchNorm) where a collective of theirs would cross-match a
 joined rank's polls.
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ..stopping import clear_save, save_requested, stop_requested
+from ..stopping import clear_save, request_save, save_requested, stop_requested
 
 if TYPE_CHECKING:
     from .join import Join
@@ -49,11 +52,11 @@ _saving: list["Join"] = []  # the Joins whose on_save runs now
 
 
 def running_join() -> "Join | None":
-    """The innermost entered, enabled Join of this process whose ``on_save`` is not running
-    now, else ``None``: where a collective of the caller's would cross-match a joined rank's."""
-    for join in reversed(_running):
-        if join not in _saving:
-            return join
+    """The innermost entered, enabled Join of this process, unless its ``on_save`` runs now
+    (every rank is then at one point of it), else ``None``: where a collective of the caller's
+    would cross-match a joined rank's polls."""
+    if _running and _running[-1] not in _saving:
+        return _running[-1]
     return None
 
 
@@ -143,26 +146,27 @@ class Requests:
         if self._on_save is None or self.stops > 0 or not self.save_due:
             return
         self._save_due = False
+        reason = self._withdraw()
         _saving.append(join)
         try:
             with join.everywhere():
                 self._on_save()
+        except BaseException:
+            if reason is not None and save_requested() is None:
+                request_save(reason)  # not served: pending again, as before this save
+            raise
         finally:
             _saving.remove(join)
         self.saves += 1
-        self._withdraw()
 
-    def finish(self) -> None:
-        """At the Join's end: a save that is still due is the caller's now (``join.save_due``
-        tells every rank), so this rank's carried request is served."""
-        if self._save_due:
-            self._withdraw()
-
-    def _withdraw(self) -> None:
-        """The one place a save request is withdrawn: once a Join served it."""
-        if self._save_sent:
-            self._save_sent = False
-            clear_save()
+    def _withdraw(self) -> str | None:
+        """The one place a save request is withdrawn: as a save starts, on every rank, for the
+        save serves every request made before it (a request made during ``on_save`` asks for
+        the next one).  Returns the withdrawn request's reason."""
+        reason = save_requested()
+        self._save_sent = False
+        clear_save()
+        return reason
 
     # -- the registry -------------------------------------------------------------------------
 

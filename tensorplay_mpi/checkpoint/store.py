@@ -453,8 +453,9 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
          config: Mapping[str, Any] | None = None, resize: bool = False) -> Resumed | None:
     """Load the checkpoint in `directory` into `params`, `buffers` and `optimizer`, in place.
 
-    Collective over `comm`: every rank calls it, outside a Join, with the same arguments as
-    :func:`save` took.  Nothing is modified unless every rank could read and check everything.
+    Collective over `comm`: every rank calls it, outside a running Join (or inside its
+    ``on_save``, where every rank is at one point), with the same arguments as :func:`save`
+    took.  Nothing is modified unless every rank could read and check everything.
     With `config`, the configuration the checkpoint recorded (``save(..., config=)``) must be
     equal, key by key; leave out the keys a resume may change (say, the number of epochs).
     With ``resize=True`` a checkpoint saved at another world size loads: the replicated state
@@ -478,6 +479,8 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         every key that differs).
     OSError
         On every rank, when reading failed on some rank.
+    RuntimeError
+        Inside a running Join outside its ``on_save``, before any collective.
     """
     comm, timeout, params, buffers = _begin("load", comm, timeout, params, buffers)
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -41,8 +41,9 @@ print("then", tried)
 def test_importing_the_library_never_tries_to_import_cupy_or_torch(module):
     """Import attempts are recorded, so this fails whether the module is installed or not."""
     # sync_batchnorm subclasses a torch module: torch-only by design, imported on first use of
-    # tensorplay_mpi.SyncBatchNorm (the test below)
-    skipped = {"tensorplay_mpi.evaluation.sync_batchnorm"} if module == "torch" else set()
+    # tensorplay_mpi.SyncBatchNorm (the test below), as is its old path, which re-exports it
+    skipped = {"tensorplay_mpi.evaluation.sync_batchnorm",
+               "tensorplay_mpi.sync_batchnorm"} if module == "torch" else set()
     program = RECORD_IMPORTS.replace("MODULE", module).replace("NOT_RECORDED", repr(skipped))
     result = subprocess.run([sys.executable, "-c", program],
                             capture_output=True, text=True, timeout=60)
@@ -63,6 +64,23 @@ def test_sync_batchnorm_is_imported_only_on_first_use():
                             timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["[]", "True"]
+
+
+def test_a_star_import_without_torch_works_and_sync_batchnorm_says_what_it_needs():
+    program = ("import sys\n"
+               "sys.modules['torch'] = None  # as if torch were not installed\n"
+               "from tensorplay_mpi import *\n"
+               "import tensorplay_mpi\n"
+               "print('SyncBatchNorm' in dir(tensorplay_mpi))\n"
+               "try:\n"
+               "    SyncBatchNorm.convert_sync_batchnorm(None)\n"
+               "except ImportError as error:\n"
+               "    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "True" and "tensorplay-mpi[torch]" in lines[1], result.stdout
 
 
 class OnlyCudaInterface:

@@ -128,7 +128,7 @@ def test_a_stop_in_the_same_heartbeat_wins_over_a_save(comm):
             ran += 1
     assert_all(join.stopped and join.save_due and not saved and ran == 2,
                f"stopped {join.stopped} save_due {join.save_due} saves {saved} ran {ran}")
-    assert_all(save_requested() is None, "the Join handed the save to its caller: withdrawn")
+    assert_all(save_requested() == "now", "no on_save served the request: it stays pending")
 
 
 @pytest.mark.mpi
@@ -239,3 +239,68 @@ def test_periodic_saves_with_a_joinable_comm_whose_iterations_end_with_a_message
     every = comm.allgather(saves)
     assert_all(totals == expected and all(s == every[0] for s in every) and every[0],
                f"totals {totals} (expected {expected}), saves by rank {every}")
+
+
+def saves_of(comm, iterations, on_save=None, ask=lambda i: False):
+    """The iterations at which a Join([dp]) over `iterations` steps on this rank ran on_save,
+    `ask(i)` telling whether this rank requests a save after its step i."""
+    dp = DataParallel([np.zeros(2)], comm=comm)
+    saved = []
+
+    def save():
+        saved.append(join.iterations)
+        if on_save is not None:
+            on_save(join)
+    with Join([dp], on_save=save) as join:
+        for i in range(iterations):
+            with dp.step():
+                dp.grads[0][...] = 1.0
+            if ask(i):
+                request_save(f"after step {i}")
+    return saved
+
+
+@pytest.mark.mpi(min_size=2)
+def test_requests_made_before_a_save_on_different_ranks_make_one_save(comm):
+    # rank 1 asks after step 0 (rides heartbeat 2), rank 0 after step 1, before the save
+    saved = saves_of(comm, 6, ask=lambda i: (comm.rank, i) in ((1, 0), (0, 1)))
+    assert_all(saved == [2] and save_requested() is None, f"saves at {saved}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("asker", [0, -1])
+def test_a_request_made_inside_on_save_asks_for_the_next_save_on_any_rank(comm, asker):
+    asker = asker % comm.size
+    first = []
+
+    def again(join):
+        if not first:
+            first.append(join.iterations)
+            if comm.rank == asker:
+                request_save("from on_save")
+    saved = saves_of(comm, 6, on_save=again, ask=lambda i: i == 0 and comm.rank == 0)
+    assert_all(saved == [2, 3] and save_requested() is None, f"saves at {saved}")
+
+
+@pytest.mark.mpi
+def test_a_request_no_on_save_served_is_served_by_the_next_join(comm):
+    dp = DataParallel([np.zeros(2)], comm=comm)
+    with Join([dp]) as evaluation:  # no on_save: it only tells
+        with dp.step():
+            dp.grads[0][...] = 1.0
+        request_save("during evaluation")
+        with dp.step():
+            dp.grads[0][...] = 1.0
+    pending = save_requested()
+    saved = saves_of(comm, 3)
+    assert_all(evaluation.save_due and pending == "during evaluation" and saved == [1]
+               and save_requested() is None, f"{evaluation.save_due} {pending!r} {saved}")
+
+
+@pytest.mark.mpi
+def test_a_save_that_raises_on_every_rank_leaves_the_request_pending(comm):
+    def broken(join):
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        saves_of(comm, 4, on_save=broken, ask=lambda i: i == 0)
+    assert_all(save_requested() == "after step 0", f"request: {save_requested()!r}")

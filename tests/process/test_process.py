@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tensorplay_mpi import SGD, request_stop, stop_requested
+from tensorplay_mpi import SGD, request_save, request_stop, save_requested, stop_requested
 from tensorplay_mpi.comm import iallreduce
-from tensorplay_mpi.process import set_up
+from tensorplay_mpi.process import reset_state, set_up
 from tensorplay_mpi.settings import settings
-from tensorplay_mpi.testing import reset_process_state
+from tensorplay_mpi.testing import reset_between_tests, reset_process_state, reset_settings
 from tensorplay_mpi.threads import decision, limit_threads
 
 
@@ -70,3 +70,31 @@ def test_the_library_leaves_sys_exit_alone():
     exit_ = sys.exit
     set_up(MPI.COMM_WORLD)
     assert sys.exit is exit_
+
+
+def test_the_scopes_reset_only_their_own_state(monkeypatch):
+    monkeypatch.setenv("TENSORPLAY_MPI_THREADS", "keep")
+    reset_process_state()
+    set_up()
+    request_stop("test")
+    request_save("test")
+    monkeypatch.setenv("TENSORPLAY_MPI_TIMEOUT", "11")
+    reset_settings()  # the environment's decisions only
+    assert settings().timeout == 11 and stop_requested() == "test"
+    assert decision() == "kept (TENSORPLAY_MPI_THREADS=keep)"  # the process scope stays
+    reset_between_tests()  # and the requests
+    assert stop_requested() is None and save_requested() is None
+    assert decision() == "kept (TENSORPLAY_MPI_THREADS=keep)"
+
+
+@pytest.mark.parametrize("scopes, error", [("everything", ValueError), (["setting"], ValueError),
+                                            (None, TypeError)])
+def test_an_unknown_scope_is_refused(scopes, error):
+    with pytest.raises(error):
+        reset_state(scopes)
+
+
+def test_one_scope_may_be_named_alone():
+    request_stop("test")
+    reset_state("requests")
+    assert stop_requested() is None

@@ -1,7 +1,9 @@
 """docs/api/*.md against the code: each page's summary (signatures and first docstring lines)
 is what docs/api_summary.py writes from the code now."""
 
+import ast
 import importlib.util
+import re
 
 from helpers import ROOT
 
@@ -34,3 +36,22 @@ def test_every_public_name_of_the_facade_has_a_summary():
     missing = [name for name in tensorplay_mpi.__all__
                if name[0].isupper() and f".{name}(" not in text]
     assert not missing, f"public classes without a summary in docs/api: {missing}"
+
+
+def _reexports(path):
+    """Whether the module at `path` only re-exports: a package's ``__init__.py``, or a module
+    of imports and ``__all__`` alone (the public paths kept, ``metrics.py``...)."""
+    body = ast.parse(path.read_text()).body[1:]  # after the docstring
+    return path.name == "__init__.py" or all(
+        isinstance(node, (ast.Import, ast.ImportFrom)) or isinstance(node, ast.Assign)
+        and [ast.unparse(target) for target in node.targets] == ["__all__"] for node in body)
+
+
+def test_every_module_with_code_of_its_own_has_a_page():
+    documented = {m for page in PAGES.glob("*.md")
+                  for m in re.findall(r"automodule:: (\S+)", page.read_text())}
+    missing = [module for path in sorted((ROOT / "tensorplay_mpi").rglob("*.py"))
+               if not _reexports(path) and "examples" not in path.parts
+               and (module := ".".join(path.relative_to(ROOT).with_suffix("").parts))
+               not in documented]
+    assert not missing, f"modules without an API page in docs/api: {missing}"

@@ -75,31 +75,48 @@ def _runtime_nodes(tree):
             stack.extend(ast.iter_child_nodes(node))
 
 
-def _imports(module):
-    """The package modules `module` imports (paths below tensorplay_mpi/); the facade
-    (``tensorplay_mpi/__init__.py``) left out."""
-    path = PACKAGE / module
+def _file(parts):
+    """The file of the module or package `parts` names below tensorplay_mpi/, else None."""
+    for candidate in ("/".join(parts) + ".py", "/".join([*parts, "__init__.py"])):
+        if (PACKAGE / candidate).is_file():
+            return candidate
+    return None
+
+
+def _targets(module):
+    """The files `module` imports at run time, as written (a package: its ``__init__.py``)."""
     parts = list(Path(module).parent.parts)
+    for node in _runtime_nodes(ast.parse((PACKAGE / module).read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "tensorplay_mpi":
+                    yield _file(alias.name.split(".")[1:])
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = parts[:len(parts) - (node.level - 1)]
+            elif (node.module or "").split(".")[0] == "tensorplay_mpi":
+                base, node = [], ast.ImportFrom(module=node.module[len("tensorplay_mpi") + 1:],
+                                                names=node.names, level=1)
+            else:
+                continue
+            target = base + (node.module.split(".") if node.module else [])
+            for alias in node.names:  # a submodule by that name, else the module itself
+                yield _file([*target, alias.name]) or _file(target)
+
+
+def _imports(module, seen=None):
+    """The modules of the layout table that `module` imports: an ``__init__.py`` that no row
+    names (the facade, ``algorithms/__init__.py``) stands for what it imports in turn."""
+    seen = set() if seen is None else seen
     found = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
-        if not isinstance(node, ast.ImportFrom):
+    for target in _targets(module):
+        if target is None or target == module or target in seen:
             continue
-        if node.level:
-            base = parts[:len(parts) - (node.level - 1)] if node.level > 1 else parts
-        elif (node.module or "").startswith("tensorplay_mpi"):
-            base = []
-            node = ast.ImportFrom(module=node.module[len("tensorplay_mpi") + 1:] or None,
-                                  names=node.names, level=1)
+        if target.endswith("__init__.py") and target not in _modules():
+            seen.add(target)
+            found |= _imports(target, seen)
         else:
-            continue
-        target = base + (node.module.split(".") if node.module else [])
-        candidates = ["/".join(target) + ".py"] if node.module else []
-        candidates += ["/".join(target + [alias.name]) + ".py" for alias in node.names]
-        candidates += ["/".join(target + ["__init__.py"])]
-        for candidate in candidates:
-            if candidate in _modules() and candidate != "__init__.py":
-                found.add(candidate)
-                break
+            found.add(target)
     return found
 
 
