@@ -53,34 +53,35 @@ def test_importing_the_library_never_tries_to_import_cupy_or_torch(module):
     assert then.startswith(f"then ['{module}'")  # the recorder sees an attempt
 
 
-def test_sync_batchnorm_is_imported_only_on_first_use():
-    pytest.importorskip("torch")
-    program = ("import sys, tensorplay_mpi\n"
-               "print(sorted(m for m in ('torch', 'tensorplay_mpi.evaluation.sync_batchnorm') "
-               "if m in sys.modules))\n"
-               "import torch\n"
-               "print(issubclass(tensorplay_mpi.SyncBatchNorm, torch.nn.Module))\n")
+def _printed_by(program):
+    """The lines a fresh interpreter prints running `program` (it must exit 0)."""
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["[]", "True"]
+    return result.stdout.splitlines()
+
+
+def test_sync_batchnorm_is_imported_only_on_first_use():
+    pytest.importorskip("torch")
+    assert _printed_by(
+        "import sys, tensorplay_mpi\n"
+        "print(sorted(m for m in ('torch', 'tensorplay_mpi.evaluation.sync_batchnorm') "
+        "if m in sys.modules))\n"
+        "import torch\n"
+        "print(issubclass(tensorplay_mpi.SyncBatchNorm, torch.nn.Module))\n") == ["[]", "True"]
 
 
 def test_a_star_import_without_torch_works_and_sync_batchnorm_says_what_it_needs():
-    program = ("import sys\n"
-               "sys.modules['torch'] = None  # as if torch were not installed\n"
-               "from tensorplay_mpi import *\n"
-               "import tensorplay_mpi\n"
-               "print('SyncBatchNorm' in dir(tensorplay_mpi))\n"
-               "try:\n"
-               "    SyncBatchNorm.convert_sync_batchnorm(None)\n"
-               "except ImportError as error:\n"
-               "    print(error)\n")
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[0] == "True" and "tensorplay-mpi[torch]" in lines[1], result.stdout
+    lines = _printed_by("import sys\n"
+                        "sys.modules['torch'] = None  # as if torch were not installed\n"
+                        "from tensorplay_mpi import *\n"
+                        "import tensorplay_mpi\n"
+                        "print('SyncBatchNorm' in dir(tensorplay_mpi))\n"
+                        "try:\n"
+                        "    SyncBatchNorm.convert_sync_batchnorm(None)\n"
+                        "except ImportError as error:\n"
+                        "    print(error)\n")
+    assert lines[0] == "True" and "tensorplay-mpi[torch]" in lines[1], lines
 
 
 class OnlyCudaInterface:
