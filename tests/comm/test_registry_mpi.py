@@ -3,13 +3,14 @@ some dropped (each start costs O(1) amortised, whatever is pending)."""
 
 import queue
 import threading
+import time
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from tensorplay_mpi.comm import work as registry
 from tensorplay_mpi.comm import iallreduce
+from tensorplay_mpi.comm import work as registry
 from tensorplay_mpi.testing import assert_all
 
 OPS = 12_000  # about a second at 2 ranks here; the 30,000 case is benchmarks/bench_registry.py
@@ -83,10 +84,9 @@ def test_a_sweep_completes_dropped_operations_and_skips_none_that_are_done(comm)
     for i, recv in enumerate(recvs):  # all dropped
         iallreduce(comm, np.full(2, float(i)), recv, MPI.SUM, "dropped")
     comm.Barrier()  # every rank has started them all: they can complete
-    for _ in range(1000):
+    deadline = time.monotonic() + 30  # a loaded machine, or Open MPI's progress, takes longer
+    while registry.outstanding_requests() and time.monotonic() < deadline:
         registry.progress_pending()
-        if registry.outstanding_requests() == 0:
-            break
     pending = registry.outstanding_requests()
     registry.complete_pending(None, 60.0)
     wrong = [i for i, r in enumerate(recvs) if not (r == i * comm.size).all()]

