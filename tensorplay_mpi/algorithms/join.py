@@ -38,10 +38,10 @@ from ..comm.buffers import check_device
 from ..comm.collectives import Work, check_comm, iallreduce, resolve_timeout
 from ..comm.guard import Guard
 from ..comm.work import complete_pending
-from .requests import Requests
 from ..errors import EarlyTerminationError
 from ..process import set_up
 from ..replicas import check_replicas
+from .requests import Requests
 
 __all__ = ["Join", "Joinable", "JoinHook"]
 

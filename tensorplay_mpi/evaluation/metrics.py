@@ -35,9 +35,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.joinable_comm import JoinableComm
+from ..comm.agreement import layout_digest, same_everywhere
 from ..comm.collectives import (check_comm, default_comm, default_timeout, iallgather, iallgatherv,
                                 iallreduce)
-from ..comm.agreement import layout_digest, same_everywhere
 from ..comm.tensors import as_array, is_tensor
 from ..comm.work import Work
 

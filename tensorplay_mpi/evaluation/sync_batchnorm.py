@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..algorithms.requests import running_join
 from ..algorithms.joinable_comm import JoinableComm
+from ..algorithms.requests import running_join
 from ..comm.tensors import JOIN_CHECK
 from .metrics import StatesDiffer, group_of, group_size, reduce_states
 
