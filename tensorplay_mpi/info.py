@@ -19,6 +19,7 @@ from mpi4py import MPI
 
 from . import __version__
 from .comm.buffers import cuda_aware, loaded_libmpi
+from .comm.fault_tolerance import fault_tolerance
 from .process import check_launch
 from .threads import decision, limit_threads
 
@@ -97,6 +98,7 @@ def report() -> str | None:
     if rows is None:
         return None
     aware, why = cuda_aware()
+    tolerant, tolerance = fault_tolerance()
     vendor, version = MPI.get_vendor()
     try:
         check_launch()
@@ -111,6 +113,8 @@ def report() -> str | None:
         f"ranks: {len(rows)}",
         f"BLAS/OpenMP threads: {decision()}",
         f"CUDA-aware: {'yes' if aware else 'no'} ({why})",
+        "fault tolerance (a lost rank reported, ULFM): {} ({})".format(
+            "yes" if tolerant else "no", tolerance),
         "",
         *_table(rows),
     ]
