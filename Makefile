@@ -19,7 +19,7 @@ CORE_TESTS   := tests/join/test_join_mpi.py tests/parallel/test_data_parallel_mp
                 tests/parallel/test_data_parallel_misuse_mpi.py \
                 tests/comm/test_joinable_comm_mpi.py tests/optim/test_zero_mpi.py
 
-.PHONY: help venv test test-serial test-slow test-mpi test-unfused test-nopersistent test-8 soak-32 test-noshm test-multihost test-openmpi docs api-docs slurm-test stop-trials demo \
+.PHONY: help venv test test-serial test-slow test-mpi test-unfused test-nopersistent test-8 soak-32 test-noshm test-multihost test-elastic test-openmpi docs api-docs slurm-test stop-trials demo \
         lint bench bench-fresh bench-threads bench-torch gpu-check clean
 
 # Open MPI refuses root without these; MPICH ignores them.
@@ -110,6 +110,23 @@ test-multihost: venv  ## the core tests, host checks, demos and stop trials on 2
 test-openmpi:  ## the MPI tests against Open MPI (a second venv, .venv-ompi)
 	$(MAKE) test-mpi VENV=.venv-ompi EXTRAS=openmpi,test,examples \
 	  MPIEXEC=".venv-ompi/bin/mpiexec --oversubscribe"
+
+# A rank SIGKILLed mid-run under Open MPI's fault-tolerant launch (mpiexec --with-ft ulfm, in
+# the venv make test-openmpi builds): in a step, while a rank shadows, in a JoinableComm loop,
+# every survivor raises PeerFailureError naming the lost rank within seconds
+# (tests/programs/lost_rank.py). Going on without it is not done yet.
+OMPI_RUN := .venv-ompi/bin/mpiexec --oversubscribe --with-ft ulfm
+test-elastic:  ## a lost rank under Open MPI's ULFM: every survivor names it, the job ends
+	$(MAKE) --no-print-directory venv VENV=.venv-ompi EXTRAS=openmpi,test,examples
+	@for where in step joined jc; do \
+	  out=$$(timeout -k 10 120 $(OMPI_RUN) -n 3 .venv-ompi/bin/python tests/programs/lost_rank.py \
+	    $$where 2>&1); status=$$?; \
+	  echo "$$out" | grep -a "^RESULT"; \
+	  if [ "$$(echo "$$out" | grep -a -c '^RESULT rank=[01] ok')" != 2 ] || [ $$status = 124 ] \
+	      || [ $$status = 137 ]; then \
+	    echo "$$out" | tail -n 40; echo "test-elastic failed at $$where (exit $$status)"; exit 1; \
+	  fi; \
+	done
 
 # Random-signal trials of the demo's stop and resume (docs/stopping.md), at each of $(RANKS)
 # ranks: STOP_TRIALS trials in one job (a real signal to one rank or all at a random moment, then

@@ -36,6 +36,7 @@ from mpi4py import MPI
 
 from ..comm.buffers import check_device
 from ..comm.collectives import Work, check_comm, iallreduce, resolve_timeout
+from ..comm.fault_tolerance import is_process_failure, lost_rank_error
 from ..comm.guard import Guard
 from ..comm.work import complete_pending
 from ..errors import EarlyTerminationError
@@ -514,6 +515,8 @@ class Join:
                 return
             if exc is not None:
                 self._settle(exc)
+                if is_process_failure(exc):
+                    raise lost_rank_error(self._comm, exc) from exc
             else:
                 try:
                     self._finish_iterations()
@@ -522,6 +525,8 @@ class Join:
                     self._join_loop()
                 except BaseException as error:
                     self._settle(error)
+                    if is_process_failure(error):
+                        raise lost_rank_error(self._comm, error) from error
                     raise
         finally:
             Requests.exited(self)

@@ -6,6 +6,12 @@ Mitigation, and launched with it on, reports a lost rank to the survivors instea
 job: Open MPI 5 under ``mpiexec --with-ft ulfm`` (which sets ``OMPI_MCA_mpi_ft_enable=1`` in
 every rank's environment).  MPICH's wheels have the functions as stubs.  ``python -m
 tensorplay_mpi.info`` prints the decision.
+
+Where it says yes, a lost rank surfaces in the survivors' next MPI call as
+``MPI_ERR_PROC_FAILED`` (or ``MPI_ERR_REVOKED``); :func:`is_process_failure` recognises it and
+:func:`lost_rank_error` turns it into a :class:`~tensorplay_mpi.errors.PeerFailureError` that
+names the lost ranks (the Join raises it on every survivor).  Going on without them (revoke,
+agree, shrink) is not done yet: the job ends, and the same command resumes from the last save.
 """
 
 from __future__ import annotations
@@ -15,12 +21,16 @@ from typing import Mapping
 
 from mpi4py import MPI
 
-__all__ = ["fault_tolerance", "FUNCTIONS"]
+from ..errors import PeerFailureError
+
+__all__ = ["fault_tolerance", "FUNCTIONS", "is_process_failure", "lost_ranks",
+           "lost_rank_error"]
 
 FUNCTIONS = ("Revoke", "Shrink", "Agree", "Get_failed")
 """The ULFM methods of ``mpi4py.MPI.Comm`` that surviving a lost rank needs."""
 
 _ON = ("1", "true", "yes", "on")
+_FAILURES = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
 
 
 def fault_tolerance(vendor: str | None = None,
@@ -44,3 +54,29 @@ def fault_tolerance(vendor: str | None = None,
     if environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in _ON:
         return False, "Open MPI launched without --with-ft ulfm (OMPI_MCA_mpi_ft_enable unset)"
     return True, "Open MPI launched with --with-ft ulfm (OMPI_MCA_mpi_ft_enable=1)"
+
+
+def is_process_failure(error: BaseException) -> bool:
+    """Whether `error` is MPI's report of a lost rank: ``MPI_ERR_PROC_FAILED``,
+    ``MPI_ERR_PROC_FAILED_PENDING`` or ``MPI_ERR_REVOKED``, under a launch with fault tolerance
+    (elsewhere mpi4py gives these names to a generic error class)."""
+    if not isinstance(error, MPI.Exception) or not fault_tolerance()[0]:
+        return False
+    return error.Get_error_class() in {getattr(MPI, name) for name in _FAILURES}
+
+
+def lost_ranks(comm: MPI.Comm) -> list[int]:
+    """The ranks of `comm` this process knows to be lost (``MPI_Comm_get_failed``); local."""
+    failed, mine = comm.Get_failed(), comm.Get_group()
+    ranks = failed.Translate_ranks(None, mine)  # every member of the failed group
+    for group in (failed, mine):
+        group.Free()
+    return sorted(r for r in ranks if r != MPI.UNDEFINED)
+
+
+def lost_rank_error(comm: MPI.Comm, error: BaseException) -> PeerFailureError:
+    """The error a survivor raises for a lost rank (`error`: MPI's report of it)."""
+    return PeerFailureError(
+        f"rank {comm.Get_rank()}: rank(s) {lost_ranks(comm)} of the communicator were lost "
+        f"(the process is gone: {error}); the Join cannot go on without them, so the job "
+        "ends: run the same command again to resume from the last periodic save")
