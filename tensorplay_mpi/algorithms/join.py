@@ -515,8 +515,6 @@ class Join:
                 return
             if exc is not None:
                 self._settle(exc)
-                if is_process_failure(exc):
-                    raise lost_rank_error(self._comm, exc) from exc
             else:
                 try:
                     self._finish_iterations()
@@ -525,8 +523,6 @@ class Join:
                     self._join_loop()
                 except BaseException as error:
                     self._settle(error)
-                    if is_process_failure(error):
-                        raise lost_rank_error(self._comm, error) from error
                     raise
         finally:
             Requests.exited(self)
@@ -547,10 +543,13 @@ class Join:
     def _settle(self, error: BaseException) -> None:
         """The failure path: agree with every rank; when every rank failed on its own, complete
         every operation still pending on the communicator (of any joinable), so nothing leaks
-        into the next Join."""
+        into the next Join.  A rank lost (MPI reports it under ULFM) raises PeerFailureError
+        naming it instead of MPI's error."""
         if self._guard is not None and self._guard.settle(error).intact:
             self._heartbeats.clear()
             complete_pending(self._guard, self._timeout)
+        if is_process_failure(error):
+            raise lost_rank_error(self._comm, error) from error
 
     @staticmethod
     def notify_join_context(joinable: Joinable) -> Work | None:

@@ -83,7 +83,6 @@ class Requests:
         self.stops = 0  # the most ranks any completed heartbeat or poll said asked to stop
         self.asked: str | None = None  # this rank's stop request, once a heartbeat sent it
         self._save_due = False  # a completed heartbeat or poll carried a save request
-        self._save_sent = False  # this rank's save request went out in a heartbeat or poll
         self.saves = 0  # times on_save ran
 
     @property
@@ -106,9 +105,9 @@ class Requests:
         self.asked = self.asked or stop_requested()
         return self.asked is not None
 
-    def _asks_to_save(self) -> bool:
-        self._save_sent = self._save_sent or save_requested() is not None
-        return self._save_sent
+    @staticmethod
+    def _asks_to_save() -> bool:
+        return save_requested() is not None  # once carried, save_due holds it until served
 
     # -- what every rank asked ----------------------------------------------------------------
 
@@ -125,10 +124,9 @@ class Requests:
         return self.stops > 0 and not self._deferring()
 
     @property
-    def stop_reason(self) -> str | None:
-        """This rank's own reason, or how many other ranks asked; ``None`` unless stopped."""
-        if not self.stopped:
-            return None
+    def stop_reason(self) -> str:
+        """Why the Join stopped, once :attr:`stopped`: this rank's own reason, or how many
+        other ranks asked."""
         return self.asked or f"a stop requested by {self.stops} other rank(s)"
 
     @property
@@ -164,7 +162,6 @@ class Requests:
         save serves every request made before it (a request made during ``on_save`` asks for
         the next one).  Returns the withdrawn request's reason."""
         reason = save_requested()
-        self._save_sent = False
         clear_save()
         return reason
 
