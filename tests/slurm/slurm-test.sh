@@ -116,7 +116,8 @@ wait_for 120 started "$jid" && grep -q "training samples split" "$loop" \
   || fail "the job did not start training: $(cat "$loop")"
 scancel --batch --signal=USR1 "$jid"
 wait_for 60 grep -q "requeueing job $jid" "$loop" || fail "no stop and requeue: $(cat "$loop")"
-wait_for 30 test "$(state "$jid")" = PENDING || fail "job $jid was not requeued: $(state "$jid")"
+requeued() { [ "$(state "$1")" = PENDING ]; }  # asked again at each try, not once
+wait_for 30 requeued "$jid" || fail "job $jid was not requeued: $(state "$jid")"
 # Slurm holds a requeued job back about 2 minutes (its BeginTime); the test skips most of that
 # (slurmd refused a relaunch within a second of the requeue: "Job already killed")
 sleep 5
