@@ -7,7 +7,7 @@ from .algorithms.join import Join, Joinable, JoinHook
 from .algorithms.joinable_comm import JoinableComm
 from .comm.collectives import Work
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, EarlyTerminationError,
-                     PeerFailureError)
+                     PeerFailureError, RanksLostError)
 from .optim import SGD, Adam, AdamW, ZeroRedundancyOptimizer
 from .parallel import DataParallel
 from .stopping import (clear_save, clear_stop, keep_stop_signals, request_save, request_stop,
@@ -36,7 +36,8 @@ __all__ = [
     "Join", "Joinable", "JoinHook", "Work", "DataParallel", "JoinableComm", "SyncBatchNorm",
     "SGD", "Adam", "AdamW", "ZeroRedundancyOptimizer",
     "CollectiveMismatchError", "CollectiveTimeoutError", "EarlyTerminationError",
-    "PeerFailureError", "stop_on_signals", "request_stop", "stop_requested", "clear_stop",
+    "PeerFailureError", "RanksLostError", "stop_on_signals", "request_stop", "stop_requested",
+    "clear_stop",
     "request_save", "save_requested", "clear_save", "keep_stop_signals",
     "checkpoint", "comm", "data", "optim", "__version__",
 ]

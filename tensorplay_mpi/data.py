@@ -154,6 +154,7 @@ class Sampler:
         self.epoch = 1
         self.cursor = 0
         self._splits: list[tuple[int, list[int]]] = []  # earlier splits of this epoch
+        self._base: list[int] | None = None  # every rank's cursor where this split began
         self._earlier: dict[int, list[float]] = {}  # weights of earlier world sizes (state)
 
     def _weights(self, size: int, last: bool = False) -> list[float] | None:
@@ -169,6 +170,7 @@ class Sampler:
         resumed epoch goes on from the cursor)."""
         if epoch != self.epoch:
             self.epoch, self.cursor, self._splits, self._earlier = int(epoch), 0, [], {}
+            self._base = None
 
     def _fresh(self, size: int) -> list[np.ndarray]:
         """Every rank's samples of the current epoch at `size` ranks, in order."""
@@ -249,16 +251,56 @@ class Sampler:
             splits: list[tuple[int, list[int]]] = []
         else:
             splits = self._decode(np.asarray(state), epoch, len(cursors))
-        self.epoch, self.cursor = int(epoch), 0
+        self.epoch, self.cursor, self._base = int(epoch), 0, None
         if len(cursors) == self.size:  # go on with every rank's own shard
             self._splits = splits
             self._splits.append((self.size, cursors))
             self._parts()  # checks every cursor
             self._splits.pop()
-            self.cursor = cursors[self.rank]
+            self.cursor, self._base = cursors[self.rank], cursors
         else:  # what no rank consumed, over this world size
             self._splits = [*splits, (len(cursors), cursors)]
             self._parts()
+
+    def shrink(self, lost: Sequence[int], steps: int) -> np.ndarray:
+        """Go on without the `lost` ranks, which left after `steps` steps of the current split
+        (an elastic Join's :class:`~tensorplay_mpi.errors.RanksLostError`: ``lost.lost``,
+        ``lost.steps``); local, the same on every survivor.
+
+        Each rank of the split consumed one batch per step until its batches ran out (a loop
+        of one batch per step, from the cursor where the split began); the samples no rank
+        consumed are split over the survivors as in a resize, so the epoch still uses each
+        sample exactly once.  This rank's number becomes its place among the survivors.
+        Returns the samples the lost ranks consumed since the split began (where this sampler
+        was made, set to the epoch, resumed or shrunk): they count as used, so a tally of the
+        epoch's samples adds them, on one survivor.
+
+        Raises
+        ------
+        ValueError
+            If `lost` is empty, names a rank outside ``[0, size)`` or this rank, or `steps`
+            is negative.
+        """
+        gone = sorted({int(r) for r in lost})
+        if not gone or gone[0] < 0 or gone[-1] >= self.size or self.rank in gone:
+            raise ValueError(f"lost must name ranks of [0, {self.size}) other than this rank "
+                             f"{self.rank}, got {list(lost)!r}")
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        base, parts = self._base or [0] * self.size, self._parts()
+        cursors = [min(b + int(steps), -(-p.size // self.batch_size))
+                   for b, p in zip(base, parts)]
+        consumed = np.concatenate([np.asarray(
+            parts[r][base[r] * self.batch_size:cursors[r] * self.batch_size], dtype=np.int64)
+            for r in gone])
+        survivors = [r for r in range(self.size) if r not in gone]
+        if self.weights is not None:
+            self._earlier[self.size] = self.weights
+        self._splits.append((self.size, cursors))
+        self.weights = None if self.weights is None else [self.weights[r] for r in survivors]
+        self.rank, self.size = survivors.index(self.rank), len(survivors)
+        self.cursor, self._base = 0, None
+        return consumed
 
     def _decode(self, state: np.ndarray, epoch: int, saved_size: int
                 ) -> list[tuple[int, list[int]]]:

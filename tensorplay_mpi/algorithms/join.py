@@ -42,6 +42,7 @@ from ..comm.work import complete_pending
 from ..errors import EarlyTerminationError
 from ..process import set_up
 from ..replicas import check_replicas
+from .elastic import check_elastic, progress, recover
 from .requests import Requests
 
 __all__ = ["Join", "Joinable", "JoinHook"]
@@ -84,6 +85,9 @@ class Joinable(ABC):
     """True for a joinable whose iteration is one block of collectives that it announces in
     a Join with an ordering joinable (see :meth:`Join.announce`); its hook then runs where
     the announcement is, not in list order (DataParallel, the library's optimizers)."""
+    _elastic = False
+    """True for a joinable that can go on without lost ranks in a ``Join(elastic=True)``
+    (:mod:`~tensorplay_mpi.algorithms.elastic` lists what it implements)."""
 
     @abstractmethod
     def __init__(self) -> None:
@@ -211,13 +215,24 @@ class Join:
         a save request (:func:`~tensorplay_mpi.request_save`) of any rank rode a heartbeat or
         poll: the place for a periodic :func:`tensorplay_mpi.checkpoint.save`.  Without it a
         request only sets :attr:`save_due`.
+    elastic : bool, default False
+        Go on without ranks that are lost (killed, out of memory, their node gone) under an MPI
+        with fault tolerance (Open MPI 5 under ``mpiexec --with-ft ulfm``): every survivor
+        revokes and shrinks the communicator, settles the interrupted step (it is applied on
+        every survivor or on none), moves every joinable onto the survivors' communicator and
+        raises :class:`~tensorplay_mpi.errors.RanksLostError`; catch it and make a new Join.
+        Every joinable must support it (DataParallel, SGD, Adam, AdamW, JoinableComm) and
+        one must apply the step (``DataParallel(update=...)`` or ``Join([dp, opt])``).
+        Without fault tolerance a lost rank ends the job, as without `elastic`.
     **kwargs
         Passed to every joinable's :meth:`Joinable.join_hook`.
 
     Raises
     ------
     ValueError
-        If `joinables` is empty, holds a joinable twice, or spans several communicators.
+        If `joinables` is empty, holds a joinable twice, or spans several communicators;
+        with `elastic`, if a joinable cannot go on without a lost rank or none applies the
+        step.
     TypeError
         If an element is not a Joinable, skipped ``Joinable.__init__``, its communicator
         is not an intra-communicator, or `on_save` is not callable.
@@ -304,10 +319,15 @@ class Join:
         throw_on_early_termination: bool = False,
         timeout: float | None = None,
         on_save: Callable[[], Any] | None = None,
+        elastic: bool = False,
         **kwargs: Any,
     ) -> None:
         self._joinables = list(joinables)
         self._check_joinables()
+        self._elastic = bool(elastic)
+        if self._elastic:
+            check_elastic(self._joinables)
+        self._entered_progress = 0  # updates applied when entered (elastic)
         if on_save is not None and not callable(on_save):
             raise TypeError(f"on_save must be a callable or None, got {type(on_save).__name__}")
         self._comm: MPI.Intracomm = self._joinables[0].join_process_group
@@ -379,6 +399,8 @@ class Join:
             check_replicas(self._comm, self._joinables, self._timeout)
         for joinable in self._joinables:
             joinable._set_join_context(self)
+        if self._elastic:
+            self._entered_progress = int(progress(self._joinables))  # type: ignore[arg-type]
         if self._enable:
             Requests.entered(self)
         return self
@@ -544,11 +566,16 @@ class Join:
         """The failure path: agree with every rank; when every rank failed on its own, complete
         every operation still pending on the communicator (of any joinable), so nothing leaks
         into the next Join.  A rank lost (MPI reports it under ULFM) raises PeerFailureError
-        naming it instead of MPI's error."""
+        naming it instead of MPI's error, or, when elastic, RanksLostError once the survivors
+        go on without it (:mod:`~tensorplay_mpi.algorithms.elastic`)."""
         if self._guard is not None and self._guard.settle(error).intact:
             self._heartbeats.clear()
             complete_pending(self._guard, self._timeout)
-        if is_process_failure(error):
+        if is_process_failure(error, self._comm):
+            self._heartbeats.clear()
+            if self._elastic:
+                raise recover(self._comm, self._joinables, error, self._timeout,
+                              self._entered_progress) from error
             raise lost_rank_error(self._comm, error) from error
 
     @staticmethod

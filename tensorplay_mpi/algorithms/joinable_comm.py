@@ -114,6 +114,15 @@ class JoinableComm(GuardedJoinable):
         self._where = "iteration 0"
         self._persistent = self._persistent_everywhere()
 
+    _elastic = True  # owns no step: nothing to settle, only its communicator to move
+
+    def _move_to(self, comm: MPI.Intracomm) -> None:
+        super()._move_to(comm)
+        self._row_headers = np.empty((self.size, 2), np.int64)
+        self._owner, self._others, self._announcing, self._works = None, [], None, []
+        self._active, self._highest = self.size, (None, 0, -1)
+        self._persistent = self._persistent_everywhere()
+
     @property
     def persistent(self) -> PersistentCollectives | None:
         """The persistent collectives of the small operations while every rank is active, when

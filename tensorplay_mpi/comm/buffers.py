@@ -30,8 +30,8 @@ from mpi4py import MPI
 
 from ..settings import settings
 
-__all__ = ["check_device", "device_of", "is_device_array", "zeros_like", "check_disjoint",
-           "misordered", "cuda_aware", "loaded_libmpi", "Staging"]
+__all__ = ["check_device", "device_of", "is_device_array", "zeros_like", "copy_into",
+           "check_disjoint", "misordered", "cuda_aware", "loaded_libmpi", "Staging"]
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
@@ -77,6 +77,29 @@ def zeros_like(array: Any, size: int | None = None, dtype: Any = None) -> Any:
     xp = cupy if cupy is not None and isinstance(array, cupy.ndarray) else np
     shape = array.shape if size is None else (size,)
     return xp.zeros_like(array, shape=shape, dtype=dtype or array.dtype)
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """Copy the elements of `src` into `dst` (C-contiguous, as many elements, the same dtype),
+    on `dst`'s device.
+
+    Raises
+    ------
+    ValueError
+        If the numbers of elements differ.
+    TypeError
+        If the dtypes differ.
+    """
+    flat_dst = np.asarray(dst) if isinstance(dst, memoryview) else dst
+    flat_src = np.asarray(src) if isinstance(src, memoryview) else src
+    if flat_dst.size != flat_src.size:
+        raise ValueError(f"cannot copy {flat_src.size} elements into {flat_dst.size}")
+    if flat_dst.dtype != flat_src.dtype:
+        raise TypeError(f"cannot copy {flat_src.dtype} elements into a {flat_dst.dtype} array")
+    if type(flat_dst) is np.ndarray:
+        np.copyto(flat_dst.reshape(-1), np.asarray(flat_src).reshape(-1))
+    else:
+        flat_dst.reshape(-1)[...] = flat_src.reshape(-1)
 
 
 def misordered(array: Any) -> str | None:

@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..settings import positive_seconds, settings
-from .buffers import Staging, misordered
+from .buffers import Staging, copy_into, misordered
 from .drain import replay
 from .guard import Guard
 from .ops import OPS, op_name
@@ -163,17 +163,21 @@ def iallreduce(
     """Start ``MPI_Iallreduce``; the Work's result is `recvbuf`, or ``finish(recvbuf)``.
 
     Collective over `comm`: every rank must call it.  `sendbuf` may be ``MPI.IN_PLACE``.
+    Always in place: a separate `sendbuf` is first copied into `recvbuf`.  Open MPI 5.0's
+    nonblocking allreduce (libnbc) gave ``MPI_ERR_TRUNCATE`` on one rank and a wrong sum on
+    another here when some ranks passed ``MPI_IN_PLACE`` and others a send buffer (legal
+    MPI; 4 ranks, 15,000 doubles), as a joined rank's zeros beside active ranks' in-place
+    gradients would.
     """
     send, recv = _buffer(sendbuf, "sendbuf", what), _buffer(recvbuf, "recvbuf", what)
-    if type(recv) is np.ndarray and (type(send) is np.ndarray or send is MPI.IN_PLACE):
-        staging, args = _HOST, (send, recv, op)  # host arrays: no staging to decide
-    elif send is MPI.IN_PLACE:
-        staging = Staging()
-        args = (send, staging.update(recv), op)
+    if send is not MPI.IN_PLACE:
+        copy_into(recv, send)
+    if type(recv) is np.ndarray:
+        staging, args = _HOST, (MPI.IN_PLACE, recv, op)  # a host array: no staging to decide
     else:
         staging = Staging()
-        args = (staging.read(send), staging.write(recv), op)
-    return _start(comm, what, "allreduce", comm.Iallreduce, args, (send, recv), recvbuf,
+        args = (MPI.IN_PLACE, staging.update(recv), op)
+    return _start(comm, what, "allreduce", comm.Iallreduce, args, (recv,), recvbuf,
                   staging,
                   lambda: f"allreduce {_describe(recv)} op={op_name(op) or 'user-defined'}",
                   finish, ("allreduce", recv, op))

@@ -17,6 +17,7 @@ agree, shrink) is not done yet: the job ends, and the same command resumes from 
 from __future__ import annotations
 
 import os
+import time
 from typing import Mapping
 
 from mpi4py import MPI
@@ -31,6 +32,9 @@ FUNCTIONS = ("Revoke", "Shrink", "Agree", "Get_failed")
 
 _ON = ("1", "true", "yes", "on")
 _FAILURES = ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+DETECTION_S = 2.0
+"""How long another MPI error waits for the communicator to know of a lost rank (measured:
+under a second) before it is taken for what it says."""
 
 
 def fault_tolerance(vendor: str | None = None,
@@ -56,13 +60,26 @@ def fault_tolerance(vendor: str | None = None,
     return True, "Open MPI launched with --with-ft ulfm (OMPI_MCA_mpi_ft_enable=1)"
 
 
-def is_process_failure(error: BaseException) -> bool:
-    """Whether `error` is MPI's report of a lost rank: ``MPI_ERR_PROC_FAILED``,
-    ``MPI_ERR_PROC_FAILED_PENDING`` or ``MPI_ERR_REVOKED``, under a launch with fault tolerance
-    (elsewhere mpi4py gives these names to a generic error class)."""
+def is_process_failure(error: BaseException, comm: MPI.Comm | None = None) -> bool:
+    """Whether `error` is MPI's report of a lost rank, under a launch with fault tolerance.
+
+    ``MPI_ERR_PROC_FAILED``, ``MPI_ERR_PROC_FAILED_PENDING`` and ``MPI_ERR_REVOKED`` are
+    (elsewhere mpi4py gives these names to a generic error class).  So is any other MPI error
+    on `comm` once `comm` knows of a lost rank, within :data:`DETECTION_S`: Open MPI's
+    nonblocking collectives reported a peer's death as ``MPI_ERR_TRUNCATE`` at 4 ranks here.
+    """
     if not isinstance(error, MPI.Exception) or not fault_tolerance()[0]:
         return False
-    return error.Get_error_class() in {getattr(MPI, name) for name in _FAILURES}
+    if error.Get_error_class() in {getattr(MPI, name) for name in _FAILURES}:
+        return True
+    if comm is None:
+        return False
+    deadline = time.monotonic() + DETECTION_S
+    while not lost_ranks(comm):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def lost_ranks(comm: MPI.Comm) -> list[int]:

@@ -131,6 +131,10 @@ class Guard:
             comm.Set_attr(_KEYVAL, guard)
         return guard
 
+    def private(self) -> list[MPI.Intracomm]:
+        """The guard's own duplicates of the guarded communicator (``notices``, ``checks``)."""
+        return [self.notices, self.checks]
+
     def free(self) -> None:
         """Free the private communicators (called when the guarded one is freed)."""
         if not MPI.Is_finalized():
@@ -242,7 +246,7 @@ class Guard:
         """
         if self._settled is not None and self._settled[0] is error:
             return self._settled[1]
-        if self.broken is None and is_process_failure(error):  # no agreement with the dead
+        if self.broken is None and is_process_failure(error, self._comm):  # no agreement
             self.broken = f"the loss of rank(s) {lost_ranks(self._comm)} ({error})"
         if self.broken is not None:
             verdict = Verdict(False, progress)

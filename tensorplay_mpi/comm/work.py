@@ -253,6 +253,29 @@ class Work:
         ``RuntimeError(why)``."""
         self._void, self._finish = why, None
 
+    def release_if_failed(self, why: str) -> bool:
+        """Test once; an operation that MPI ended in error (one on a revoked communicator)
+        completes with a void result (`why`).  Whether it has completed."""
+        if self._done or not self._testing.acquire(blocking=False):
+            return self._done
+        try:
+            try:
+                done = self._request.Test()
+            except MPI.Exception:
+                self.void(why)
+                done = True
+            if done and not self._done:
+                self._complete()
+        finally:
+            self._testing.release()
+        return self._done
+
+    def abandon(self, why: str) -> None:
+        """Give the operation up without completing it: its communicator was revoked and MPI
+        will never complete it (the request is left to MPI); its result is void (`why`)."""
+        self.void(why)
+        self._complete()
+
     def _complete(self) -> None:
         self._done = True
         _pending.pop(id(self), None)

@@ -22,6 +22,11 @@ digest of a run never stopped.  A completed run also leaves a checkpoint, so run
 only prints the result.  With ``--save-every STEPS`` it also writes the checkpoint every STEPS
 steps, inside the Join (joined ranks included), so a job killed without a signal (``kill -9``,
 a node failure, an OOM kill) resumes from the last of these saves.
+
+With ``--elastic`` (Open MPI 5 under ``mpiexec --with-ft ulfm``) a rank that dies does not end
+the job: the survivors shrink the communicator, settle the interrupted step, re-split the
+epoch's unused samples and go on; the run ends with exit status 0 on the survivors.  Without
+fault tolerance ``--elastic`` changes nothing: a lost rank ends the job.
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import SGD, DataParallel, Join, checkpoint, keep_stop_signals, request_save
+from tensorplay_mpi import (SGD, DataParallel, Join, RanksLostError, checkpoint,
+                            keep_stop_signals, request_save)
+from tensorplay_mpi.algorithms.elastic import recover
 from tensorplay_mpi.comm import iallreduce
+from tensorplay_mpi.comm.fault_tolerance import is_process_failure
 from tensorplay_mpi.data import Sampler, shard_sizes
 from tensorplay_mpi.examples.evaluation import validate
 
@@ -193,15 +201,48 @@ class Tally:
         return out
 
 
-def once(comm: MPI.Intracomm, epoch: int, seen: np.ndarray) -> bool:
+def once(comm: MPI.Intracomm, epoch: int, seen: np.ndarray, how: str = "resumed") -> bool:
     """Print (rank 0) how many samples `epoch` used and whether each exactly once."""
     ok = bool((seen == 1).all())
     if comm.rank == 0:
         verdict = "yes" if ok else (f"NO ({int((seen == 0).sum())} never, "
                                     f"{int((seen > 1).sum())} more than once)")
-        print(f"epoch {epoch} (resumed) used {int(seen.sum())} samples of {seen.size}, each "
+        print(f"epoch {epoch} ({how}) used {int(seen.sum())} samples of {seen.size}, each "
               f"exactly once: {verdict}", flush=True)
     return ok
+
+
+class Survivors:
+    """The demo's side of ``--elastic``: after a lost rank, the survivors' communicator, the
+    sampler re-split and the epoch's tally completed."""
+
+    def __init__(self, comm: MPI.Intracomm, elastic: bool) -> None:
+        self.comm, self.elastic, self.lost_in_epoch = comm, elastic, False
+
+    def lost(self, lost: RanksLostError, sampler: Sampler, tally: "Tally", split_start: int,
+             pending: np.ndarray | None, epoch: int) -> None:
+        """Go on after `lost`: the sampler re-split from the split's steps (`split_start`: the
+        step where the split began), the lost ranks' and the completed pending samples
+        tallied."""
+        self.comm, self.lost_in_epoch = lost.comm, True
+        gone = sampler.shrink(lost.lost, max(0, lost.step - split_start))
+        if lost.completed and pending is not None:  # its step was applied by another rank
+            np.add.at(tally.seen, pending, 1)
+        if lost.rank == 0:
+            np.add.at(tally.seen, gone, 1)
+            print(f"lost rank(s) {lost.lost} of {lost.old_size} at epoch {epoch}, step "
+                  f"{lost.step}; going on with {lost.size} ranks", flush=True)
+
+    def retry(self, what: Any, joinables: list[Any], on_lost: Any) -> Any:
+        """``what()``, again after a lost rank surfacing outside a Join (``on_lost(lost)``
+        first), under ``--elastic``."""
+        while True:
+            try:
+                return what()
+            except MPI.Exception as error:
+                if not (self.elastic and is_process_failure(error, self.comm)):
+                    raise
+                on_lost(recover(self.comm, joinables, error))
 
 
 def stopped(comm: MPI.Intracomm, reason: str | None, epoch: int, step: int,
@@ -233,10 +274,13 @@ def make_parser() -> argparse.ArgumentParser:
                              f"SIGUSR1 or SIGINT stop, write it and exit with status {STOPPED}")
     parser.add_argument("--save-every", type=int, default=0, metavar="STEPS",
                         help="with --checkpoint: also write it every STEPS steps (0: never)")
+    parser.add_argument("--elastic", action="store_true",
+                        help="go on without a rank that dies (Open MPI under mpiexec "
+                             "--with-ft ulfm; elsewhere a lost rank ends the job)")
     return parser
 
 
-RESUMABLE = ("epochs", "checkpoint", "save_every", "min_accuracy")
+RESUMABLE = ("epochs", "checkpoint", "save_every", "min_accuracy", "elastic")
 """The flags a resume may change; the checkpoint records every other one (``config=``)."""
 
 
@@ -298,32 +342,51 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                     f"; saved at {resumed.world_size} ranks, the rest of the epoch re-split")
             print(f"resumed from {resumed.path}: {where}{size}", flush=True)
 
+    survivors = Survivors(comm, args.elastic)
     start = time.perf_counter()
     for epoch in range(first, args.epochs + 1):
         sampler.set_epoch(epoch)  # a resumed epoch goes on from the cursors
         tally = tally if epoch == first else Tally(len(y_train))
         step0 = (epoch - 1) * sampler.max_batches()  # steps before this epoch (approximately,
         # after a resize: the step only numbers the saves)
+        survivors.lost_in_epoch = False
 
         def save(epoch: int = epoch, step0: int = step0) -> None:  # the Join's on_save
             checkpoint.save(args.checkpoint, params, step=step0 + join.iterations, epoch=epoch,
-                            cursor=sampler.cursor, comm=comm, config=config,
-                            extra={"sampler": sampler.state(),
-                                   **tally.summed(comm)})  # noqa: B023  (this epoch's)
+                            cursor=sampler.cursor, comm=survivors.comm, config=config,
+                            extra={"sampler": sampler.state(),  # noqa: B023  (this epoch's)
+                                   **tally.summed(survivors.comm)})  # noqa: B023
 
-        with Join([dp, opt], divide_by_initial_world_size=args.divide == "world",
-                  on_save=save if args.save_every else None) as join:
-            for idx in sampler:
-                if join.stopped:  # every rank leaves at this same iteration
-                    break
-                with dp.step():
-                    x, y = xp.asarray(x_train[idx]), xp.asarray(y_train[idx])
-                    loss, correct = backward(params, x, y, dp)
-                opt.step()
-                tally.add(idx, loss, correct)
-                if args.save_every and (step0 + sampler.cursor + 1) % args.save_every == 0:
-                    request_save(f"every {args.save_every} steps")  # every active rank asks
-        summed = tally.summed(comm)
+        while True:  # once, or again on the survivors after a lost rank (--elastic)
+            split_start, pending = opt.steps, None
+            try:
+                with Join([dp, opt], divide_by_initial_world_size=args.divide == "world",
+                          on_save=save if args.save_every else None,
+                          elastic=args.elastic) as join:
+                    for idx in sampler:
+                        if join.stopped:  # every rank leaves at this same iteration
+                            break
+                        pending = idx
+                        with dp.step():
+                            x, y = xp.asarray(x_train[idx]), xp.asarray(y_train[idx])
+                            loss, correct = backward(params, x, y, dp)
+                        opt.step()
+                        tally.add(idx, loss, correct)
+                        pending = None
+                        if args.save_every and (step0 + sampler.cursor + 1) % args.save_every == 0:
+                            request_save(f"every {args.save_every} steps")  # every active rank
+                break
+            except RanksLostError as lost:
+                survivors.lost(lost, sampler, tally, split_start, pending, epoch)
+                comm = survivors.comm
+
+        def after_join(lost: RanksLostError, split_start: int = split_start,
+                       epoch: int = epoch) -> None:  # a loss between the epoch's Joins
+            survivors.lost(lost, sampler, tally, split_start, None, epoch)  # noqa: B023
+
+        summed = survivors.retry(lambda: tally.summed(survivors.comm),  # noqa: B023
+                                 [dp, opt], after_join)
+        comm = survivors.comm
         totals = summed["totals"]
         if join.stopped:
             step = step0 + comm.allreduce(sampler.cursor, op=MPI.MAX)
@@ -334,15 +397,24 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
             return STOPPED
         if resumed is not None and epoch == first and not once(comm, epoch, summed["seen"]):
             return 1
-        epoch_done(comm, epoch, args.epochs, totals, validate(
-            comm, lambda x: forward(params, xp.asarray(x))[1], x_test, y_test, args.batch_size,
-            args.skew))
+        if survivors.lost_in_epoch and not once(comm, epoch, summed["seen"],
+                                                "with a lost rank"):
+            return 1
+        validation = survivors.retry(lambda: validate(
+            survivors.comm, lambda batch: forward(params, xp.asarray(batch))[1], x_test, y_test,
+            args.batch_size, args.skew), [dp, opt], after_join)
+        comm = survivors.comm
+        epoch_done(comm, epoch, args.epochs, totals, validation)
     if args.checkpoint and first <= args.epochs:  # so that running it again only reports
         checkpoint.save(args.checkpoint, params, step=args.epochs * sampler.max_batches(),
                         epoch=args.epochs + 1, comm=comm, config=config)
-    elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
     hits = forward(params, xp.asarray(x_test))[1].argmax(axis=1) == xp.asarray(y_test)
-    return report(comm, args, params, float(hits.mean()), elapsed, len(y_test))
+
+    def finish() -> int:
+        elapsed = survivors.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        return report(survivors.comm, args, params, float(hits.mean()), elapsed, len(y_test))
+
+    return survivors.retry(finish, [dp, opt], lambda lost: None)
 
 
 def report(comm: MPI.Intracomm, args: argparse.Namespace, params: list[Any], accuracy: float,

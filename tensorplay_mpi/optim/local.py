@@ -223,6 +223,22 @@ class Optimizer(LinkedOptimizer, OptimizerState):
         """The parameters, the state and the step counts: the same on every rank."""
         return [*self.params, *self.replicated_state()]
 
+    # -- an elastic Join's settle (tensorplay_mpi.algorithms.elastic) ------------------------
+
+    _elastic = True
+
+    def _elastic_progress(self) -> int | None:
+        return self.steps
+
+    def _elastic_state(self) -> list[Any]:
+        return [*self.params, *(a for s in self.state for a in s.values()), self.param_steps]
+
+    def _elastic_restore(self, step: int) -> None:
+        self.steps = step
+
+    def _move_to(self, comm: MPI.Intracomm) -> None:
+        self.comm = comm
+
     @property
     def join_device(self) -> str:
         return device_of(self.params[0]) if self.params else "cpu"

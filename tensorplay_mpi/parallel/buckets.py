@@ -22,7 +22,7 @@ class Bucket:
     the active ranks' gradients came from, without a message of its own.
     """
 
-    __slots__ = ("flat", "grads", "members", "index", "flags", "samples", "all_used", "_zeros")
+    __slots__ = ("flat", "grads", "members", "index", "flags", "samples", "all_used")
 
     def __init__(self, like: Any, members: list[int], sizes: list[int]) -> None:
         n, m = sum(sizes), len(members)
@@ -33,7 +33,6 @@ class Bucket:
         self.flags = self.flat[n:n + m]  # the "used" flags, summed with the gradients
         self.samples = self.flat[n + m:]  # [samples, 1] per rank averaging per sample
         self.all_used = True  # every member was used by some rank in the last step
-        self._zeros: np.ndarray | None = None
 
     def read_flags(self) -> np.ndarray:
         """The flags as a NumPy array (copied to the host from a device bucket)."""
@@ -51,13 +50,6 @@ class Bucket:
             self.flags[...] = has
         else:
             self.flags.set(has.astype(self.flags.dtype))
-
-    @property
-    def zeros(self) -> np.ndarray:
-        """A joined rank's contribution: made on first use (by joined ranks only), then reused."""
-        if self._zeros is None:
-            self._zeros = zeros_like(self.flat)
-        return self._zeros
 
 
 def make_buckets(params: list[np.ndarray], cap_bytes: float,

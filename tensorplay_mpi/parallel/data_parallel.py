@@ -328,6 +328,7 @@ class DataParallel(GuardedJoinable):
         self.samples = 0  # the active ranks' samples in the last step with samples=
         self._unentered: _MustEnter | None = None  # a step() or no_sync() never entered
         self._steps = 0
+        self._updates = 0  # update= runs completed (an elastic Join's settle)
         self._step: _Step | None = None  # the step in progress
         self._counts = np.zeros(5, dtype=np.int64)  # the step control's buffers
         self._highest = np.zeros(1, dtype=np.int64)
@@ -518,6 +519,7 @@ class DataParallel(GuardedJoinable):
             join = self.join_context  # every rank runs it here: operations in it are plain
             with join.everywhere() if join is not None else contextlib.nullcontext():
                 self._update()
+            self._updates += 1
 
     def _accumulated(self, index: int) -> None:
         """The post-accumulate-grad hook of torch parameter `index`: bind, then (overlap) mark
@@ -662,9 +664,10 @@ class DataParallel(GuardedJoinable):
             if step.samples is not None:  # this rank's mean, weighted by its samples
                 bucket.grads *= step.samples  # (the slots are zero otherwise: see _divisor)
                 bucket.samples[0], bucket.samples[1] = step.samples, 1
-        sendbuf = bucket.zeros if shadow else MPI.IN_PLACE
+        if shadow:  # a joined rank sends zeros, in place as the active ranks (see iallreduce)
+            bucket.flat.fill(0)
         step.works.append(iallreduce(
-            self.comm, sendbuf, bucket.flat, MPI.SUM,
+            self.comm, MPI.IN_PLACE, bucket.flat, MPI.SUM,
             f"bucket {k + 1} of {len(self._buckets)} (step {step.number})"))
 
     def _set_flags(self, bucket: Any) -> None:
@@ -795,6 +798,29 @@ class DataParallel(GuardedJoinable):
         """After a ``no_sync()`` step, until the next synchronising one: a stop or a periodic
         save then would lose the accumulated gradients, so the Join holds it back."""
         return self._unsynced
+
+    # -- an elastic Join's settle (tensorplay_mpi.algorithms.elastic) ------------------------
+
+    _elastic = True
+
+    def _elastic_progress(self) -> int | None:
+        """``update=`` runs completed: the step's owner with ``update=``; else None."""
+        return None if self._update is None else self._updates
+
+    def _elastic_state(self) -> list[Any]:
+        return self.params + self.buffers
+
+    def _elastic_restore(self, step: int) -> None:
+        """The settled step is every survivor's step count (an interrupted one is dropped)."""
+        self._steps = step
+        if self._update is not None:
+            self._updates = step
+
+    def _move_to(self, comm: MPI.Intracomm) -> None:
+        super()._move_to(comm)
+        self._step, self._unsynced = None, False
+        for bucket in self._buckets:
+            bucket.samples.fill(0)
 
     def replicated_arrays(self) -> list[Any]:
         """The parameters and buffers: the same on every rank."""

@@ -124,15 +124,33 @@ def test_staging_copies_in_and_back_once_per_operation(monkeypatch):
     np.testing.assert_array_equal(device, np.arange(4.0))
 
 
-def test_concurrent_operations_on_one_device_array_stage_through_their_own_buffers(monkeypatch):
+def test_concurrent_operations_on_device_arrays_stage_through_their_own_buffers(monkeypatch):
     use_mode(monkeypatch, aware=False)
-    target, copy = on_device(np.zeros(3)), on_device(np.full(3, 7.0))
-    writes = iallreduce(MPI.COMM_SELF, np.ones(3), target)  # copied back to `target` at wait
-    reads = iallreduce(MPI.COMM_SELF, target, copy)  # started first: sends target's zeros
+    first, second = on_device(np.zeros(3)), on_device(np.full(3, 7.0))
+    writes = iallreduce(MPI.COMM_SELF, np.ones(3), first)  # copied back to `first` at wait
+    reads = iallreduce(MPI.COMM_SELF, np.full(3, 2.0), second)
     reads.wait()
     writes.wait()
-    np.testing.assert_array_equal(target, np.ones(3))
-    np.testing.assert_array_equal(copy, np.zeros(3))
+    np.testing.assert_array_equal(first, np.ones(3))
+    np.testing.assert_array_equal(second, np.full(3, 2.0))
+
+
+def test_allreduce_is_in_place_on_every_rank_whatever_the_caller_passes(monkeypatch):
+    """Open MPI 5.0's libnbc mismatches ranks passing MPI_IN_PLACE with ranks passing a send
+    buffer: the library copies a send buffer into the receive buffer and goes in place."""
+    calls = []
+
+    class Spy(MPI.Intracomm):
+        def Iallreduce(self, send, recv, op):  # noqa: N802  (mpi4py's name)
+            calls.append(send)
+            return super().Iallreduce(send, recv, op)
+
+    recv = np.zeros(3)
+    iallreduce(Spy(MPI.COMM_SELF), np.arange(3.0), recv).wait()
+    assert calls == [MPI.IN_PLACE]
+    np.testing.assert_array_equal(recv, np.arange(3.0))
+    with pytest.raises(TypeError, match="int64"):
+        iallreduce(MPI.COMM_SELF, np.arange(3), recv)
 
 
 def test_staging_a_device_array_without_get_and_set_is_a_type_error(monkeypatch):

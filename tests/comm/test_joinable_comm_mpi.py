@@ -188,3 +188,14 @@ def test_results_can_go_into_given_buffers(comm):
         with Join([jc]):
             jc.begin_iteration()
             jc.allreduce(np.ones(3), out=np.empty(2))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_allreduce_in_place_on_some_ranks_only_is_exact(comm):
+    """``out=x`` on rank 0, a new result elsewhere: one in-place allreduce on every rank (Open
+    MPI 5.0's libnbc mismatched the two kinds of call at 4 ranks)."""
+    jc = JoinableComm(comm)
+    x = np.full(20_000, comm.rank + 1.0)
+    result = jc.allreduce(x, out=x) if comm.rank == 0 else jc.allreduce(x)
+    total = comm.size * (comm.size + 1) / 2
+    assert_all(bool((result == total).all()), f"rank {comm.rank}: {result[:3]} != {total}")

@@ -132,3 +132,21 @@ def test_constructor_broadcasts_from_the_chosen_rank(comm):
     buffers = [np.full(2, comm.rank, dtype=np.int32)]
     DataParallel(params, comm=comm, broadcast_from=root, buffers=buffers)
     assert_all(np.all(params[0] == root) and np.all(buffers[0] == root), f"{params} {buffers}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_joined_rank_beside_active_ones_sums_a_large_bucket_exactly(comm):
+    """A joined rank's zeros and the active ranks' gradients go through one allreduce, in
+    place on every rank: Open MPI 5.0's libnbc gave MPI_ERR_TRUNCATE and wrong sums at 4
+    ranks when some ranks passed MPI_IN_PLACE and others a send buffer (15,000 doubles)."""
+    dp = DataParallel([np.zeros(20_000)], comm=comm)
+    seen = []
+    with Join([dp]):
+        for step in range(comm.rank + 1):
+            with dp.step():
+                dp.grads[0][...] = comm.rank + 1.0
+            seen.append(dp.grads[0].copy())
+    expected = [sum(r + 1.0 for r in range(comm.size) if r >= s) / comm.size
+                for s in range(comm.rank + 1)]
+    assert_all(all((g == e).all() for g, e in zip(seen, expected)),
+               f"rank {comm.rank}: averages {[g[:2] for g in seen]} != {expected}")

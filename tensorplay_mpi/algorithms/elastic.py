@@ -1,0 +1,136 @@
+"""Going on without lost ranks (``Join(..., elastic=True)``): shrink, settle, move.
+
+Under an MPI with fault tolerance (Open MPI 5 under ``mpiexec --with-ft ulfm``), a lost rank
+surfaces in every survivor's next operation on the Join's communicator.  An elastic Join then,
+on every survivor:
+
+1. revokes the communicator and shrinks it to the survivors
+   (:func:`~tensorplay_mpi.comm.shrink.shrink`);
+2. settles the interrupted iteration: each survivor counts the updates it applied (the step
+   owners': a DataParallel with ``update=``, the library's optimizers).  Survivors are at most
+   one update apart (the interrupted one completed on some of them only); those behind receive
+   the replicated state (parameters, buffers, optimizer state) of the lowest-ranked survivor
+   that applied it.  The step is never half applied: it is complete on every survivor, or on
+   none, and then each rank's batch of it is unused;
+3. moves every joinable onto the survivors' communicator, and raises
+   :class:`~tensorplay_mpi.errors.RanksLostError` saying what happened.
+
+A joinable takes part when it sets ``_elastic = True`` and implements ``_elastic_progress()``
+(updates applied, or ``None`` when it owns no step), ``_elastic_state()`` (the arrays a
+survivor behind receives, in place), ``_elastic_restore(step)`` (set its counters to the
+settled step) and ``_move_to(comm)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from ..comm.collectives import iallreduce, ibcast
+from ..comm.guard import Guard
+from ..comm.shrink import shrink
+from ..errors import RanksLostError
+from ..process import set_up
+from ..settings import settings
+
+__all__ = ["check_elastic", "progress", "recover"]
+
+
+def check_elastic(joinables: Sequence[Any]) -> None:
+    """Raise ``ValueError`` unless every joinable can go on without lost ranks and one owns the
+    step (every rank alike: it depends on the kinds only)."""
+    refused = [type(j).__name__ for j in joinables if not getattr(j, "_elastic", False)]
+    if refused:
+        raise ValueError(
+            f"Join(elastic=True): {', '.join(refused)} cannot go on without a lost rank (its "
+            "state would be lost with it: a ZeroRedundancyOptimizer's shards, a joinable of "
+            "your own); leave elastic off and resume from periodic saves instead")
+    if progress(joinables) is None:
+        raise ValueError(
+            "Join(elastic=True) needs the joinable that applies the step in the Join, to "
+            "settle an interrupted step: DataParallel(..., update=...) or Join([dp, opt]) "
+            "with one of the library's optimizers")
+
+
+def progress(joinables: Sequence[Any]) -> int | None:
+    """The updates applied on this rank: the highest count of the joinables that own a step."""
+    counts = [c for c in (j._elastic_progress() for j in joinables) if c is not None]
+    return max(counts) if counts else None
+
+
+def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException,
+            timeout: float | None = None, entered: int | None = None) -> RanksLostError:
+    """Go on without the ranks lost from `comm`: shrink, settle, move `joinables`.
+
+    An elastic Join calls it; call it yourself for a loss that surfaces outside a Join (an
+    MPI error on `comm` for which :func:`~tensorplay_mpi.comm.fault_tolerance.is_process_failure`
+    is true, in a validation between Joins, say), with the joinables of your Joins.
+
+    Collective over the survivors of `comm`: each calls it with the same joinables.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Intracomm
+        The communicator that lost ranks (the Join's).
+    joinables : sequence of Joinable
+        The Join's joinables (every one with ``_elastic``).
+    error : BaseException
+        MPI's report of the loss on this rank.
+    timeout : float, optional
+        The deadline of each wait on the survivors' communicator; default the library's.
+    entered : int, optional
+        :func:`progress` when the Join was entered; default now (``steps`` is then 0).
+
+    Returns
+    -------
+    RanksLostError
+        What to raise: the lost ranks, the survivors' communicator, the settled step.
+    """
+    check_elastic(joinables)
+    timeout = settings().timeout if timeout is None else timeout
+    mine = int(progress(joinables))  # type: ignore[arg-type]  (check_elastic: not None)
+    entered = mine if entered is None else entered
+    old_rank, old_size = comm.Get_rank(), comm.Get_size()
+    survivors, lost = shrink(comm, settings().grace)
+    set_up(survivors)
+    Guard.attach(survivors)
+    step, root = _settle(survivors, mine, timeout)
+    if root is not None:
+        arrays = [a for j in joinables for a in j._elastic_state()]
+        works = [ibcast(survivors, a, root, f"elastic settle: state {i + 1} of {len(arrays)}")
+                 for i, a in enumerate(arrays)]
+        for work in works:
+            work.wait_or_abort(timeout)
+    for joinable in joinables:
+        joinable._elastic_restore(step)
+        joinable._move_to(survivors)
+    completed = mine < step
+    how = (f"step {step} completed on this rank by rank {root} of the survivors" if completed
+           else f"step {step} (the interrupted step, if any, is redone)")
+    return RanksLostError(
+        f"rank {old_rank}: rank(s) {lost} of {old_size} were lost ({error}); going on with "
+        f"{survivors.Get_size()} ranks from {how}, as rank {survivors.Get_rank()}",
+        lost=lost, comm=survivors, old_rank=old_rank, old_size=old_size, step=step,
+        steps=step - entered, completed=completed)
+
+
+def _settle(comm: MPI.Intracomm, mine: int, timeout: float) -> tuple[int, int | None]:
+    """The settled step (the most updates any survivor applied) and the survivor that sends
+    its state to those behind (``None``: every survivor is there)."""
+    span = np.array([mine, -mine], np.int64)
+    iallreduce(comm, MPI.IN_PLACE, span, MPI.MAX, "elastic settle: steps").wait_or_abort(
+        timeout)
+    most, fewest = int(span[0]), -int(span[1])
+    if most - fewest > 1:
+        raise RuntimeError(
+            f"rank {comm.Get_rank()}: the survivors applied from {fewest} to {most} updates: "
+            "more than the one an interrupted step explains, so no survivor's state is "
+            "everyone's; end the job and resume from the last periodic save")
+    if most == fewest:
+        return most, None
+    root = np.array([comm.Get_rank() if mine == most else comm.Get_size()], np.int64)
+    iallreduce(comm, MPI.IN_PLACE, root, MPI.MIN, "elastic settle: sender").wait_or_abort(
+        timeout)
+    return most, int(root[0])

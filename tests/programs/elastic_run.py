@@ -1,0 +1,138 @@
+"""Training that loses ranks and goes on (``make test-elastic``), checked against a replay.
+
+    mpiexec --with-ft ulfm -n 3 python tests/programs/elastic_run.py SEED [VICTIM@STEP:WHERE ...]
+
+A DataParallel over two float64 parameters, stepped by SGD in an elastic Join, one Join per
+epoch, on uneven shards (``Sampler``, skew 1, so rank 0 joins early in every epoch):
+
+- ``log`` (steps x samples): each step adds 1 at the ids of every active rank's batch (each
+  rank's gradient is ``-size`` there, averaged over the world size): the sampler's log, as the
+  model saw it;
+- ``w``: least squares, each step ``w -= 0.01 * sum over the step's ids of x (x.w - y)``.
+
+Each VICTIM (a rank of COMM_WORLD, as are the losses reported) SIGKILLs itself once its
+optimizer has applied STEP updates, at WHERE: ``top`` (before the step), ``backward`` (between
+marking the two gradients ready), ``update`` (after the step, before the next heartbeat),
+``joined`` (once it has run out of batches, at the epoch's end: it then dies while
+shadowing) or ``random`` (a random one of these, and a random pause).  Without victims, the
+seed draws one rank and one step.
+
+Every survivor checks, after the last epoch: the parameters are bitwise identical on all
+survivors; every sample was used exactly once per epoch (the log's rows of each epoch); the
+lost ranks are the victims; and ``w`` equals a serial NumPy replay of the log (the same ids per
+step, the updates in the same order).  It prints ``RESULT rank=R ok ...`` or ``RESULT rank=R
+WRONG ...`` and exits 0.
+"""
+
+import hashlib
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from tensorplay_mpi import SGD, DataParallel, Join, RanksLostError
+from tensorplay_mpi.data import Sampler
+
+SAMPLES, BATCH, EPOCHS, DIM, LR = 240, 8, 3, 5, 0.01
+WHERE = ("top", "backward", "update", "joined")
+
+
+def plan(argv, size, seed):
+    """{victim: (step, where)} from the arguments, else drawn from the seed."""
+    rng = np.random.default_rng(seed)
+    if not argv:
+        argv = [f"{rng.integers(size)}@{rng.integers(1, 30)}:random"]
+    victims = {}
+    for item in argv:
+        rank, rest = item.split("@")
+        step, where = rest.split(":")
+        if where == "random":
+            where = WHERE[rng.integers(len(WHERE))]
+        victims[int(rank)] = (int(step), where, float(rng.uniform(0, 0.004)))
+    return victims
+
+
+def die_if(victims, world_rank, where, applied):
+    step, at, pause = victims.get(world_rank, (None, None, 0.0))
+    if at == where and applied >= step:
+        time.sleep(pause)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+    seed = int(sys.argv[1])
+    world = MPI.COMM_WORLD
+    victims = plan(sys.argv[2:], world.size, seed)
+    data = np.random.default_rng(1234)
+    x, y = data.normal(size=(SAMPLES, DIM)), data.normal(size=SAMPLES)
+    log = np.zeros((EPOCHS * SAMPLES // BATCH + 8, SAMPLES))
+    w = np.zeros(DIM)
+    comm = world
+    sampler = Sampler(SAMPLES, comm.rank, comm.size, batch_size=BATCH, seed=seed, skew=1.0)
+    dp = DataParallel([log, w], comm=comm)
+    opt = SGD([log, w], dp.grads, lr=1.0)
+    lost_seen, firsts, members = [], [], list(range(world.size))  # members: world ranks
+    for epoch in range(1, EPOCHS + 1):
+        sampler.set_epoch(epoch)
+        firsts.append(opt.steps)
+        while True:
+            try:
+                with Join([dp, opt], elastic=True):
+                    for idx in sampler:
+                        die_if(victims, world.rank, "top", opt.steps)
+                        with dp.step():
+                            row, size = opt.steps, dp.size
+                            dp.grads[1][...] = size * LR * x[idx].T @ (x[idx] @ w - y[idx])
+                            dp.mark_ready(1)
+                            die_if(victims, world.rank, "backward", opt.steps)
+                            dp.grads[0][...] = 0.0
+                            dp.grads[0][row, idx] = -size
+                            dp.mark_ready(0)
+                        opt.step()
+                        die_if(victims, world.rank, "update", opt.steps)
+                    die_if(victims, world.rank, "joined", opt.steps)
+                break
+            except RanksLostError as lost:
+                gone = [members[r] for r in lost.lost]
+                members = [m for m in members if m not in gone]
+                lost_seen.append((lost.old_size, gone, lost.step, lost.completed))
+                comm = lost.comm
+                sampler.shrink(lost.lost, lost.steps)
+    firsts.append(opt.steps)
+    report(comm, world, victims, log, w, x, y, firsts, lost_seen)
+    MPI.Finalize()
+
+
+def report(comm, world, victims, log, w, x, y, firsts, lost_seen):
+    problems = []
+    digest = hashlib.blake2b(log.tobytes() + w.tobytes(), digest_size=8).hexdigest()
+    digests = comm.allgather(digest)
+    if len(set(digests)) != 1:
+        problems.append(f"replicas differ: {digests}")
+    for e in range(EPOCHS):
+        counts = log[firsts[e]:firsts[e + 1]].sum(axis=0)
+        if not (counts == 1).all():
+            problems.append(f"epoch {e + 1}: {int((counts == 0).sum())} samples never used, "
+                            f"{int((counts > 1).sum())} more than once")
+    if not np.isin(log, (0.0, 1.0)).all():
+        problems.append("the log holds values other than 0 and 1")
+    replay = np.zeros_like(w)
+    for row in log[:firsts[-1]]:
+        ids = np.flatnonzero(row)
+        replay -= LR * x[ids].T @ (x[ids] @ replay - y[ids])
+    if not np.allclose(w, replay, rtol=1e-10, atol=1e-12):
+        problems.append(f"w differs from the serial replay by {np.abs(w - replay).max():.3g}")
+    named = sorted(r for _, ranks, _, _ in lost_seen for r in ranks)
+    expected = sorted(victims)
+    if named != expected:
+        problems.append(f"losses reported {lost_seen}, victims {expected}")
+    verdict = "WRONG " + "; ".join(problems) if problems else "ok"
+    print(f"RESULT rank={world.rank} {verdict} survivors={comm.size} steps={firsts[-1]} "
+          f"losses={lost_seen} victims={victims}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
