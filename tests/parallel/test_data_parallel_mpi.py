@@ -142,7 +142,7 @@ def test_a_joined_rank_beside_active_ones_sums_a_large_bucket_exactly(comm):
     dp = DataParallel([np.zeros(20_000)], comm=comm)
     seen = []
     with Join([dp]):
-        for step in range(comm.rank + 1):
+        for _ in range(comm.rank + 1):
             with dp.step():
                 dp.grads[0][...] = comm.rank + 1.0
             seen.append(dp.grads[0].copy())
