@@ -1,5 +1,7 @@
 """The exceptions tensorplay_mpi raises when a collective cannot complete as issued."""
 
+from typing import Any
+
 __all__ = ["CollectiveTimeoutError", "PeerFailureError", "CollectiveMismatchError",
            "EarlyTerminationError", "RanksLostError"]
 
@@ -52,9 +54,9 @@ class RanksLostError(PeerFailureError):
         finished it (its batch of that step counts as used), rather than computed it.
     """
 
-    def __init__(self, message: str, *, lost: list[int], comm: object, old_rank: int,
+    def __init__(self, message: str, *, lost: list[int], comm: Any, old_rank: int,
                  old_size: int, step: int, steps: int, completed: bool) -> None:
         super().__init__(message)
         self.lost, self.comm, self.step, self.steps = lost, comm, step, steps
         self.old_rank, self.old_size, self.completed = old_rank, old_size, completed
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()  # type: ignore[attr-defined]
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()

@@ -90,7 +90,7 @@ def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException,
     """
     check_elastic(joinables)
     timeout = settings().timeout if timeout is None else timeout
-    mine = int(progress(joinables))  # type: ignore[arg-type]  (check_elastic: not None)
+    mine = progress(joinables) or 0  # not None: check_elastic
     entered = mine if entered is None else entered
     old_rank, old_size = comm.Get_rank(), comm.Get_size()
     survivors, lost = shrink(comm, settings().grace)

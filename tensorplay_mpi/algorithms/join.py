@@ -400,7 +400,7 @@ class Join:
         for joinable in self._joinables:
             joinable._set_join_context(self)
         if self._elastic:
-            self._entered_progress = int(progress(self._joinables))  # type: ignore[arg-type]
+            self._entered_progress = progress(self._joinables) or 0  # not None: checked
         if self._enable:
             Requests.entered(self)
         return self

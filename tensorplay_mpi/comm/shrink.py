@@ -11,6 +11,7 @@ communicator of their own.
 from __future__ import annotations
 
 import time
+from typing import cast
 
 from mpi4py import MPI
 
@@ -46,7 +47,7 @@ def shrink(comm: MPI.Intracomm, grace: float) -> tuple[MPI.Intracomm, list[int]]
     if guard is not None:
         guard.broken = guard.broken or "the loss of a rank (revoked, shrunk to the survivors)"
         _release(guard, grace)
-    survivors = comm.Shrink()
+    survivors = cast(MPI.Intracomm, comm.Shrink())  # an intra-communicator's is one too
     return survivors, _lost(comm, survivors)
 
 
