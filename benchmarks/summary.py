@@ -4,8 +4,9 @@
 
 Reads ``optim.json`` (the optimizer steps on the NumPy rules too: the fused path forced off),
 ``optim-fresh.json`` when ``make bench-fresh`` wrote it (a fresh default install),
-``jc-2-ranks.json`` (JoinableComm against blocking mpi4py) and ``registry-2-ranks.json`` (the
-registry against raw mpi4py); prints one line per figure, ``ok`` or ``MISSED`` against its
+``jc-2-ranks.json`` (JoinableComm against blocking mpi4py), ``elastic-2-ranks.json`` (an
+elastic Join against a plain one) and ``registry-2-ranks.json`` (the registry against raw
+mpi4py); prints one line per figure, ``ok`` or ``MISSED`` against its
 target.  Every ratio was measured side by side (interleaved) within its benchmark's run.
 """
 
@@ -38,6 +39,11 @@ def rows(results: Path) -> list[tuple[str, float, float | None]]:
             for variant, target in jc["targets"].items():
                 out.append((f"{variant} / blocking mpi4py, 2 ranks, {schedule}",
                             result["ratio_to_blocking"][variant], target))
+    path = results / "elastic-2-ranks.json"
+    if path.exists():
+        elastic = json.loads(path.read_text())
+        out.append((f"elastic Join / plain Join, a step, {elastic['params']:,} parameters, "
+                    "2 ranks, no failure", elastic["ratio"], elastic["target"]))
     path = results / "registry-2-ranks.json"
     if path.exists():
         registry = json.loads(path.read_text())

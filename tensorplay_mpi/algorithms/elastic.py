@@ -35,7 +35,7 @@ from ..errors import RanksLostError
 from ..process import set_up
 from ..settings import settings
 
-__all__ = ["check_elastic", "progress", "recover"]
+__all__ = ["check_elastic", "progress", "recover", "settle"]
 
 
 def check_elastic(joinables: Sequence[Any]) -> None:
@@ -96,15 +96,8 @@ def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException,
     survivors, lost = shrink(comm, settings().grace)
     set_up(survivors)
     Guard.attach(survivors)
-    step, root = _settle(survivors, mine, timeout)
-    if root is not None:
-        arrays = [a for j in joinables for a in j._elastic_state()]
-        works = [ibcast(survivors, a, root, f"elastic settle: state {i + 1} of {len(arrays)}")
-                 for i, a in enumerate(arrays)]
-        for work in works:
-            work.wait_or_abort(timeout)
+    step, root = settle(survivors, joinables, timeout)
     for joinable in joinables:
-        joinable._elastic_restore(step)
         joinable._move_to(survivors)
     completed = mine < step
     how = (f"step {step} completed on this rank by rank {root} of the survivors" if completed
@@ -116,7 +109,32 @@ def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException,
         steps=step - entered, completed=completed)
 
 
-def _settle(comm: MPI.Intracomm, mine: int, timeout: float) -> tuple[int, int | None]:
+def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
+           ) -> tuple[int, int | None]:
+    """Bring every rank of `comm` to the most updates any applied: those behind receive the
+    joinables' state from the lowest rank that has them; return that step and that rank
+    (``None``: every rank was there).
+
+    Collective over `comm`.
+
+    Raises
+    ------
+    RuntimeError
+        On every rank, if ranks are more than one update apart.
+    """
+    step, root = _agree_on_step(comm, progress(joinables) or 0, timeout)
+    if root is not None:
+        arrays = [a for j in joinables for a in j._elastic_state()]
+        works = [ibcast(comm, a, root, f"elastic settle: state {i + 1} of {len(arrays)}")
+                 for i, a in enumerate(arrays)]
+        for work in works:
+            work.wait_or_abort(timeout)
+    for joinable in joinables:
+        joinable._elastic_restore(step)
+    return step, root
+
+
+def _agree_on_step(comm: MPI.Intracomm, mine: int, timeout: float) -> tuple[int, int | None]:
     """The settled step (the most updates any survivor applied) and the survivor that sends
     its state to those behind (``None``: every survivor is there)."""
     span = np.array([mine, -mine], np.int64)

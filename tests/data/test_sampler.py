@@ -132,3 +132,66 @@ def test_weighted_shards_keep_every_sample_exactly_once_across_resizes(sizes, ch
             s.resume(2, cursors, state)
     consume(ranks, [None] * len(ranks), used)
     assert sorted(used) == list(range(N)), collections.Counter(used).most_common(3)
+
+
+def lockstep(ranks, steps, used):
+    """`steps` steps of a Join: each rank with batches left consumes one per step."""
+    iterators = [iter(s) for s in ranks]
+    for _ in range(steps):
+        for it in iterators:
+            batch = next(it, None)
+            if batch is not None:
+                used.extend(batch.tolist())
+
+
+@pytest.mark.parametrize("lost, steps", [([1], 3), ([0], 5), ([2], 0), ([0, 2], 4),
+                                         ([1], 100)])
+def test_a_shrink_re_splits_what_no_rank_consumed_each_sample_once(lost, steps):
+    used = []
+    ranks = samplers(3)
+    lockstep(ranks, steps, used)
+    gone_ids = []
+    for s in ranks:
+        if s.rank not in lost:
+            gone_ids = s.shrink(lost, steps).tolist()
+    survivors = [s for s in ranks if s.size == 3 - len(lost)]
+    assert [s.rank for s in survivors] == list(range(3 - len(lost)))
+    # the lost ranks' consumed samples are what they took in those steps
+    lost_used = [i for s in samplers(3) if s.rank in lost
+                 for b in s.batches()[:steps] for i in b.tolist()]
+    assert sorted(gone_ids) == sorted(lost_used)
+    survivors_used = [i for i in used if i not in set(lost_used)]
+    consume(survivors, [None] * len(survivors), survivors_used)
+    assert sorted(survivors_used + lost_used) == list(range(N))
+
+
+def test_two_shrinks_and_a_checkpoint_state_between_them_keep_each_sample_once():
+    used = []
+    ranks = samplers(4)
+    lockstep(ranks, 2, used)
+    lost_first = [i for b in samplers(4)[3].batches()[:2] for i in b.tolist()]
+    ranks = [s for s in ranks[:3]]
+    for s in ranks:
+        s.shrink([3], 2)
+    lockstep(ranks, 3, used)
+    state, cursors = ranks[0].state(), [s.cursor for s in ranks]
+    lost_second = [i for b in ranks[1].batches()[:3] for i in b.tolist()]
+    for s in (ranks[0], ranks[2]):
+        s.shrink([1], 3)
+    used = [i for i in used if i not in set(lost_first) | set(lost_second)]
+    consume([ranks[0], ranks[2]], [None, None], used)
+    assert sorted(used + lost_first + lost_second) == list(range(N))
+    resumed = [Sampler(N, r, 3, batch_size=BATCH, seed=3, skew=1.0) for r in range(3)]
+    for s in resumed:  # the state written between the shrinks resumes at the same size
+        s.resume(1, cursors, state)
+    assert [s.cursor for s in resumed] == cursors
+
+
+@pytest.mark.parametrize("lost, steps, match", [([], 1, "lost must name"),
+                                                ([3], 1, "lost must name"),
+                                                ([0], 1, "other than this rank"),
+                                                ([1], -1, "steps must be"),
+                                                ([1], 1.5, "steps must be")])
+def test_a_bad_shrink_is_a_value_error(lost, steps, match):
+    with pytest.raises(ValueError, match=match):
+        samplers(3)[0].shrink(lost, steps)

@@ -21,7 +21,7 @@ import time
 OMPI = [".venv-ompi/bin/mpiexec", "--oversubscribe", "--with-ft", "ulfm"]
 DEMO = [".venv-ompi/bin/python", "-m", "tensorplay_mpi.examples.train", "--epochs", "40",
         "--elastic"]
-TIMEOUT_S = 120
+TIMEOUT_S = 60
 
 
 def rank_pids(launcher):
@@ -56,13 +56,16 @@ def trial(ranks, rng):
     try:
         rest, _ = job.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        left = subprocess.run(["ps", "-o", "pid,stat,wchan:20,args", "--ppid",
+                               " ".join(str(p) for p in [job.pid, *rank_pids(job.pid)])],
+                              capture_output=True, text=True).stdout
         os.killpg(job.pid, signal.SIGKILL)
         rest, _ = job.communicate()
-        return "HANG", pause, "".join(lines) + rest
+        return "HANG", pause, f"{''.join(lines)}{rest}\nleft running:\n{left}"
     text = "".join(lines) + rest
     if "lost rank(s)" not in text and "held-out accuracy" in text:
         return "late", pause, text
-    checks = [job.returncode == 0, re.search(r"^lost rank\(s\) \[\d\]", text, re.M),
+    checks = [job.returncode == 0, re.search(r"lost rank\(s\) \[\d\]", text),
               "each exactly once: yes" in text, "held-out accuracy" in text,
               f"parameters identical on all {ranks - 1} ranks: yes" in text]
     verdict = "ok" if all(checks) else "WRONG"
@@ -78,7 +81,7 @@ def main():
         verdict, pause, text = trial(ranks, rng)
         if verdict == "late":
             continue
-        lost = re.search(r"^lost rank\(s\) \[(\d)\] of \d at epoch (\d+), step (\d+)", text, re.M)
+        lost = re.search(r"lost rank\(s\) \[(\d)\] of \d at epoch (\d+), step (\d+)", text)
         accuracy = re.search(r"held-out accuracy ([\d.]+)", text)
         results.append(verdict)
         print(f"trial {len(results)}: {verdict}  kill after {pause:.2f} s  "

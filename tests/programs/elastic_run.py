@@ -1,6 +1,6 @@
 """Training that loses ranks and goes on (``make test-elastic``), checked against a replay.
 
-    mpiexec --with-ft ulfm -n 3 python tests/programs/elastic_run.py SEED [VICTIM@STEP:WHERE ...]
+    mpiexec --with-ft ulfm -n 3 python tests/programs/elastic_run.py SEED [--jc] [VICTIM@STEP:WHERE ...]
 
 A DataParallel over two float64 parameters, stepped by SGD in an elastic Join, one Join per
 epoch, on uneven shards (``Sampler``, skew 1, so rank 0 joins early in every epoch):
@@ -9,6 +9,11 @@ epoch, on uneven shards (``Sampler``, skew 1, so rank 0 joins early in every epo
   rank's gradient is ``-size`` there, averaged over the world size): the sampler's log, as the
   model saw it;
 - ``w``: least squares, each step ``w -= 0.01 * sum over the step's ids of x (x.w - y)``.
+
+With ``--jc`` a JoinableComm joins them (``Join([dp, opt, jc])``): each step it sums the
+batch sizes of the active ranks (checked against the log) in the step, so while a
+rank has joined the Join follows one ordered stream; WHERE may then be ``jc`` (just before
+that sum).
 
 Each VICTIM (a rank of COMM_WORLD, as are the losses reported) SIGKILLs itself once its
 optimizer has applied STEP updates, at WHERE: ``top`` (before the step), ``backward`` (between
@@ -33,15 +38,16 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import SGD, DataParallel, Join, RanksLostError
+from tensorplay_mpi import SGD, DataParallel, Join, JoinableComm, RanksLostError
 from tensorplay_mpi.data import Sampler
 
 SAMPLES, BATCH, EPOCHS, DIM, LR = 240, 8, 3, 5, 0.01
 WHERE = ("top", "backward", "update", "joined")
+JC_WHERE = (*WHERE, "jc")
 
 
-def plan(argv, size, seed):
-    """{victim: (step, where)} from the arguments, else drawn from the seed."""
+def plan(argv, size, seed, places):
+    """{victim: (step, where, pause)} from the arguments, else drawn from the seed."""
     rng = np.random.default_rng(seed)
     if not argv:
         argv = [f"{rng.integers(size)}@{rng.integers(1, 30)}:random"]
@@ -50,7 +56,7 @@ def plan(argv, size, seed):
         rank, rest = item.split("@")
         step, where = rest.split(":")
         if where == "random":
-            where = WHERE[rng.integers(len(WHERE))]
+            where = places[rng.integers(len(places))]
         victims[int(rank)] = (int(step), where, float(rng.uniform(0, 0.004)))
     return victims
 
@@ -59,13 +65,15 @@ def die_if(victims, world_rank, where, applied):
     step, at, pause = victims.get(world_rank, (None, None, 0.0))
     if at == where and applied >= step:
         time.sleep(pause)
+        print(f"KILLED at {time.time():.6f}", flush=True)  # the recovery time's start
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main():
-    seed = int(sys.argv[1])
+    seed, with_jc = int(sys.argv[1]), "--jc" in sys.argv
     world = MPI.COMM_WORLD
-    victims = plan(sys.argv[2:], world.size, seed)
+    victims = plan([a for a in sys.argv[2:] if a != "--jc"], world.size, seed,
+                   JC_WHERE if with_jc else WHERE)
     data = np.random.default_rng(1234)
     x, y = data.normal(size=(SAMPLES, DIM)), data.normal(size=SAMPLES)
     log = np.zeros((EPOCHS * SAMPLES // BATCH + 8, SAMPLES))
@@ -74,16 +82,22 @@ def main():
     sampler = Sampler(SAMPLES, comm.rank, comm.size, batch_size=BATCH, seed=seed, skew=1.0)
     dp = DataParallel([log, w], comm=comm)
     opt = SGD([log, w], dp.grads, lr=1.0)
+    jc = JoinableComm(comm) if with_jc else None
+    sums = []  # (row, the active ranks' batch sizes summed by jc)
     lost_seen, firsts, members = [], [], list(range(world.size))  # members: world ranks
     for epoch in range(1, EPOCHS + 1):
         sampler.set_epoch(epoch)
         firsts.append(opt.steps)
         while True:
             try:
-                with Join([dp, opt], elastic=True):
+                with Join([dp, opt] + ([jc] if jc else []), elastic=True):
                     for idx in sampler:
                         die_if(victims, world.rank, "top", opt.steps)
                         with dp.step():
+                            if jc is not None:  # in the step: the DataParallel leads
+                                die_if(victims, world.rank, "jc", opt.steps)
+                                total = jc.allreduce(np.array([float(len(idx))]))
+                                sums.append((opt.steps, float(total[0])))
                             row, size = opt.steps, dp.size
                             dp.grads[1][...] = size * LR * x[idx].T @ (x[idx] @ w - y[idx])
                             dp.mark_ready(1)
@@ -96,18 +110,24 @@ def main():
                     die_if(victims, world.rank, "joined", opt.steps)
                 break
             except RanksLostError as lost:
+                print(f"RECOVERED at {time.time():.6f}", flush=True)  # and training again
                 gone = [members[r] for r in lost.lost]
                 members = [m for m in members if m not in gone]
                 lost_seen.append((lost.old_size, gone, lost.step, lost.completed))
                 comm = lost.comm
                 sampler.shrink(lost.lost, lost.steps)
     firsts.append(opt.steps)
-    report(comm, world, victims, log, w, x, y, firsts, lost_seen)
+    report(comm, world, victims, log, w, x, y, firsts, lost_seen, sums)
     MPI.Finalize()
 
 
-def report(comm, world, victims, log, w, x, y, firsts, lost_seen):
+def report(comm, world, victims, log, w, x, y, firsts, lost_seen, sums):
     problems = []
+    for row, total in sums:  # a redone step's first sum is checked against the step's log too
+        if row < firsts[-1] and total < log[row].sum():
+            problems.append(f"step {row + 1}: the JoinableComm summed {total:g} samples, "
+                            f"the step used {log[row].sum():g}")
+            break
     digest = hashlib.blake2b(log.tobytes() + w.tobytes(), digest_size=8).hexdigest()
     digests = comm.allgather(digest)
     if len(set(digests)) != 1:

@@ -1,0 +1,83 @@
+"""``make test-elastic``: ranks SIGKILLed under Open MPI's ULFM (``mpiexec --with-ft ulfm``).
+
+    python tests/programs/elastic_cases.py [RANDOM_RUNS] [DEMO_TRIALS]
+
+1. Without ``elastic``: in a step, while a rank has joined and in a JoinableComm loop, every
+   survivor raises PeerFailureError naming the lost rank (``lost_rank.py``).
+2. With ``elastic``, at 3 and 4 ranks (``elastic_run.py``, checked there against a serial
+   replay of the sampler's log): a loss at each point of a step (the heartbeat, between two
+   gradients, after the update, while the victim has joined, in a JoinableComm operation),
+   rank 0 lost, a loss while another rank has joined (rank 0 joins early in every epoch), two
+   losses one after the other, two at once, and one that leaves a single rank.
+3. RANDOM_RUNS runs (default 6) at 3 and at 4 ranks, each with a victim, a step, a point and
+   a pause drawn from its seed.
+4. DEMO_TRIALS trials (default 3) of the demo, ``examples.train --elastic`` at 3 ranks, one
+   rank SIGKILLed from outside at a random moment (``elastic_demo_trials.py``).
+
+Prints one line per run and fails on the first wrong one (a hang is a timeout: wrong).
+"""
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+PY = ".venv-ompi/bin/python"
+RUN = [".venv-ompi/bin/mpiexec", "--oversubscribe", "--with-ft", "ulfm"]
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+TIMEOUT_S = 120
+
+CASES = [  # (ranks, arguments of elastic_run.py after the seed)
+    (2, ["1@5:top"]), (2, ["0@7:backward"]),
+    (3, ["2@10:top"]), (3, ["1@12:backward"]), (3, ["2@7:update"]), (3, ["2@14:joined"]),
+    (3, ["0@5:top"]), (3, ["0@3:joined"]), (3, ["--jc", "1@4:jc"]), (3, ["--jc", "2@9:joined"]),
+    (4, ["3@6:top"]), (4, ["1@9:backward"]), (4, ["0@2:update"]), (4, ["--jc", "2@5:jc"]),
+    (3, ["0@4:top", "2@20:backward"]), (4, ["1@3:update", "3@16:top"]),
+    (3, ["1@2:update", "2@2:update"]), (4, ["0@8:top", "1@8:top"]),
+]
+
+
+def run(ranks, program, args, survivors):
+    """Run `program` at `ranks` ranks; True when `survivors` ranks print ``RESULT ... ok``."""
+    start = time.monotonic()
+    try:
+        done = subprocess.run([*RUN, "-n", str(ranks), PY, program, *args], env=ENV,
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+        out, status = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as expired:
+        out, status = f"{expired.stdout or ''}{expired.stderr or ''}\nHANG", "timeout"
+    results = [line for line in out.splitlines() if line.startswith("RESULT")]
+    killed = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("KILLED")]
+    back = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("RECOVER")]
+    recovery = (f"  recovered in {max(back) - min(killed):.2f} s" if len(killed) == 1 and back
+                else "")
+    ok = sum(" ok " in f"{line} " for line in results) == survivors and len(results) == survivors
+    ok = ok and (status == 0 or "lost_rank" in program)
+    print(f"{'ok   ' if ok else 'WRONG'} {ranks} ranks {' '.join(args):32} exit {status} "
+          f"in {time.monotonic() - start:.1f} s{recovery}", flush=True)
+    if not ok:
+        print(out[-4000:], flush=True)
+    return ok
+
+
+def main():
+    random_runs = int(sys.argv[1]) if len(sys.argv) > 1 else 6
+    demo_trials = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    checks = [(3, "tests/programs/lost_rank.py", [where], 2) for where in ("step", "joined", "jc")]
+    checks += [(n, "tests/programs/elastic_run.py", ["1", *args],
+                n - sum(not a.startswith("--") for a in args)) for n, args in CASES]
+    seeds = random.Random(int(time.time())).sample(range(10_000), random_runs)
+    checks += [(n, "tests/programs/elastic_run.py", [str(s)], n - 1) for s in seeds
+               for n in (3, 4)]
+    for ranks, program, args, survivors in checks:
+        if not run(ranks, program, args, survivors):
+            return 1
+    if demo_trials:
+        return subprocess.run([PY, "tests/programs/elastic_demo_trials.py", str(demo_trials),
+                               "3"], env=ENV).returncode
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
