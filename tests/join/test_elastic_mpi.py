@@ -3,7 +3,6 @@ settle of an interrupted step.  Losses themselves need ULFM: ``make test-elastic
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 from toys import AllReducer
 
 from tensorplay_mpi import SGD, Adam, DataParallel, Join, JoinableComm, ZeroRedundancyOptimizer

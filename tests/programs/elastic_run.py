@@ -1,6 +1,6 @@
 """Training that loses ranks and goes on (``make test-elastic``), checked against a replay.
 
-    mpiexec --with-ft ulfm -n 3 python tests/programs/elastic_run.py SEED [--jc] [VICTIM@STEP:WHERE ...]
+    mpiexec --with-ft ulfm -n 3 python tests/programs/elastic_run.py SEED [--jc] [V@STEP:WHERE ...]
 
 A DataParallel over two float64 parameters, stepped by SGD in an elastic Join, one Join per
 epoch, on uneven shards (``Sampler``, skew 1, so rank 0 joins early in every epoch):
@@ -15,7 +15,7 @@ batch sizes of the active ranks (checked against the log) in the step, so while 
 rank has joined the Join follows one ordered stream; WHERE may then be ``jc`` (just before
 that sum).
 
-Each VICTIM (a rank of COMM_WORLD, as are the losses reported) SIGKILLs itself once its
+Each victim V (a rank of COMM_WORLD, as are the losses reported) SIGKILLs itself once its
 optimizer has applied STEP updates, at WHERE: ``top`` (before the step), ``backward`` (between
 marking the two gradients ready), ``update`` (after the step, before the next heartbeat),
 ``joined`` (once it has run out of batches, at the epoch's end: it then dies while
