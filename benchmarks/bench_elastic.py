@@ -25,7 +25,7 @@ STEPS = 20
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--params", type=int, default=1_000_000)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=41)
     parser.add_argument("--out")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
