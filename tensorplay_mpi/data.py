@@ -281,6 +281,8 @@ class Sampler:
             If `lost` is empty, names a rank outside ``[0, size)`` or this rank, or `steps`
             is negative.
         """
+        if any(isinstance(r, bool) or not isinstance(r, numbers.Integral) for r in lost):
+            raise ValueError(f"lost must be ranks (ints), got {list(lost)!r}")
         gone = sorted({int(r) for r in lost})
         if not gone or gone[0] < 0 or gone[-1] >= self.size or self.rank in gone:
             raise ValueError(f"lost must name ranks of [0, {self.size}) other than this rank "

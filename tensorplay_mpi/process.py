@@ -38,6 +38,7 @@ how :func:`reset_state` (``tensorplay_mpi.testing.reset_process_state``) resets 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import importlib
 import os
 import sys
@@ -47,6 +48,7 @@ from typing import Iterable, NamedTuple
 
 from mpi4py import MPI
 
+from .comm.fault_tolerance import FINALIZE_WATCHDOG_S, fault_tolerance
 from .comm.persistent import free_all
 from .comm.work import complete_all_at_exit, outstanding_requests
 from .settings import settings
@@ -245,10 +247,14 @@ def reset_state(scopes: str | Iterable[str] = ("settings", "requests", "process"
 def _at_exit() -> None:
     """The exit hook: complete the pending operations (or abort), free the persistent
     requests still kept, and ignore the stop signals that keep_stop_signals() kept (Python
-    gives them their default action back before mpi4py finalizes MPI)."""
+    gives them their default action back before mpi4py finalizes MPI); under a fault-tolerant
+    launch, arm the finalization watchdog (:data:`~tensorplay_mpi.comm.fault_tolerance.
+    FINALIZE_WATCHDOG_S`)."""
     complete_all_at_exit()
     free_all()
     ignore_kept_signals()
+    if fault_tolerance()[0]:  # MPI_Finalize after a lost rank: never a silent hang
+        faulthandler.dump_traceback_later(FINALIZE_WATCHDOG_S, exit=True)
 
 
 atexit.register(_at_exit)  # after mpi4py's own: runs before MPI_Finalize

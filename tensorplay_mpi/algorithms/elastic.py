@@ -17,8 +17,8 @@ on every survivor:
 
 A joinable takes part when it sets ``_elastic = True`` and implements ``_elastic_progress()``
 (updates applied, or ``None`` when it owns no step), ``_elastic_state()`` (the arrays a
-survivor behind receives, in place), ``_elastic_restore(step)`` (set its counters to the
-settled step) and ``_move_to(comm)``.
+survivor behind receives, its counters among them), ``_elastic_restore()`` (read its counters
+back from those arrays) and ``_move_to(comm)``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from ..comm.buffers import copy_into
 from ..comm.collectives import iallreduce, ibcast
+from ..comm.fault_tolerance import fault_tolerance, is_process_failure
 from ..comm.guard import Guard
-from ..comm.shrink import shrink
+from ..comm.shrink import agree, shrink
 from ..errors import RanksLostError
 from ..process import set_up
 from ..settings import settings
@@ -47,7 +49,7 @@ def check_elastic(joinables: Sequence[Any]) -> None:
             f"Join(elastic=True): {', '.join(refused)} cannot go on without a lost rank (its "
             "state would be lost with it: a ZeroRedundancyOptimizer's shards, a joinable of "
             "your own); leave elastic off and resume from periodic saves instead")
-    if progress(joinables) is None:
+    if progress(joinables) is None and any(j._elastic_needs_owner for j in joinables):
         raise ValueError(
             "Join(elastic=True) needs the joinable that applies the step in the Join, to "
             "settle an interrupted step: DataParallel(..., update=...) or Join([dp, opt]) "
@@ -60,8 +62,9 @@ def progress(joinables: Sequence[Any]) -> int | None:
     return max(counts) if counts else None
 
 
-def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException,
-            timeout: float | None = None, entered: int | None = None) -> RanksLostError:
+def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException | None,
+            timeout: float | None = None, entered: int | None = None,
+            agreed: bool = False) -> RanksLostError:
     """Go on without the ranks lost from `comm`: shrink, settle, move `joinables`.
 
     An elastic Join calls it; call it yourself for a loss that surfaces outside a Join (an
@@ -76,12 +79,19 @@ def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException,
         The communicator that lost ranks (the Join's).
     joinables : sequence of Joinable
         The Join's joinables (every one with ``_elastic``).
-    error : BaseException
-        MPI's report of the loss on this rank.
+    error : BaseException or None
+        MPI's report of the loss on this rank (None: :func:`~tensorplay_mpi.comm.shrink.agree`
+        said so).
     timeout : float, optional
         The deadline of each wait on the survivors' communicator; default the library's.
     entered : int, optional
         :func:`progress` when the Join was entered; default now (``steps`` is then 0).
+    agreed : bool, default False
+        This rank has run :func:`~tensorplay_mpi.comm.shrink.agree` on `comm` already.
+
+    A rank lost during the recovery itself (in the shrink, the settle) is lost the same way:
+    the survivors shrink again, and every survivor agrees on each communicator before it adopts
+    a state, so that all of them go on from the same one.
 
     Returns
     -------
@@ -93,44 +103,71 @@ def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException,
     mine = progress(joinables) or 0  # not None: check_elastic
     entered = mine if entered is None else entered
     old_rank, old_size = comm.Get_rank(), comm.Get_size()
-    survivors, lost = shrink(comm, settings().grace)
-    set_up(survivors)
-    Guard.attach(survivors)
-    step, root = settle(survivors, joinables, timeout)
+    members, lost, current = list(range(old_size)), [], comm  # members: ranks of `comm`
+    while True:
+        survivors, gone = shrink(current, settings().grace, agreed)
+        lost += [members[r] for r in gone]
+        members = [m for i, m in enumerate(members) if i not in gone]
+        try:
+            set_up(survivors)
+            Guard.attach(survivors)
+            settled = settle(survivors, joinables, timeout)
+        except MPI.Exception as again:  # a rank lost during the recovery
+            if not is_process_failure(again, survivors):
+                raise
+            current, agreed = survivors, False
+            continue
+        if settled is not None:
+            break
+        current, agreed = survivors, True  # the settle's agreement said a rank was lost
+    step, root = settled
     for joinable in joinables:
         joinable._move_to(survivors)
     completed = mine < step
     how = (f"step {step} completed on this rank by rank {root} of the survivors" if completed
            else f"step {step} (the interrupted step, if any, is redone)")
     return RanksLostError(
-        f"rank {old_rank}: rank(s) {lost} of {old_size} were lost ({error}); going on with "
+        f"rank {old_rank}: rank(s) {sorted(lost)} of {old_size} were lost "
+        f"({error or 'agreed at the end of the Join'}); going on with "
         f"{survivors.Get_size()} ranks from {how}, as rank {survivors.Get_rank()}",
-        lost=lost, comm=survivors, old_rank=old_rank, old_size=old_size, step=step,
+        lost=sorted(lost), comm=survivors, old_rank=old_rank, old_size=old_size, step=step,
         steps=step - entered, completed=completed)
 
 
 def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
-           ) -> tuple[int, int | None]:
+           ) -> tuple[int, int | None] | None:
     """Bring every rank of `comm` to the most updates any applied: those behind receive the
     joinables' state from the lowest rank that has them; return that step and that rank
     (``None``: every rank was there).
 
-    Collective over `comm`.
+    Collective over `comm`.  Under fault tolerance a rank adopts what it received only once
+    every rank agreed that none was lost meanwhile (:func:`~tensorplay_mpi.comm.shrink.agree`);
+    returns ``None``, having changed nothing, when one was.
 
     Raises
     ------
     RuntimeError
         On every rank, if ranks are more than one update apart.
+    mpi4py.MPI.Exception
+        When a rank is lost in the settle's collectives (nothing changed).
     """
     step, root = _agree_on_step(comm, progress(joinables) or 0, timeout)
+    arrays = list({id(a): a for j in joinables for a in j._elastic_state()}.values())
+    received = arrays
     if root is not None:
-        arrays = [a for j in joinables for a in j._elastic_state()]
-        works = [ibcast(comm, a, root, f"elastic settle: state {i + 1} of {len(arrays)}")
-                 for i, a in enumerate(arrays)]
+        if comm.Get_rank() != root:  # into scratch: adopted once every rank has it
+            received = [a.copy() for a in arrays]
+        works = [ibcast(comm, a, root, f"elastic settle: state {i + 1} of {len(received)}")
+                 for i, a in enumerate(received)]
         for work in works:
             work.wait_or_abort(timeout)
+    if fault_tolerance()[0] and not agree(comm):
+        return None
+    for array, value in zip(arrays, received):
+        if value is not array:
+            copy_into(array, value)
     for joinable in joinables:
-        joinable._elastic_restore(step)
+        joinable._elastic_restore()
     return step, root
 
 

@@ -63,11 +63,12 @@ class GuardedJoinable(Joinable):
         return None
 
     def _elastic_state(self) -> list[Any]:
-        """The arrays that a survivor behind receives in place (an elastic Join's settle)."""
+        """The arrays that a survivor behind receives (an elastic Join's settle), counters in
+        arrays of their own."""
         return []
 
-    def _elastic_restore(self, step: int) -> None:
-        """Set the counters to the settled `step` (an elastic Join's settle)."""
+    def _elastic_restore(self) -> None:
+        """Read the counters back from the arrays of :meth:`_elastic_state`."""
 
     def _wait(self, work: Work) -> Any:
         """Wait for `work` under this joinable's deadline; return its result."""

@@ -36,12 +36,14 @@ from mpi4py import MPI
 
 from ..comm.buffers import check_device
 from ..comm.collectives import Work, check_comm, iallreduce, resolve_timeout
-from ..comm.fault_tolerance import is_process_failure, lost_rank_error
+from ..comm.fault_tolerance import fault_tolerance, is_process_failure, lost_rank_error
 from ..comm.guard import Guard
+from ..comm.shrink import agree, revoke
 from ..comm.work import complete_pending
 from ..errors import EarlyTerminationError
 from ..process import set_up
 from ..replicas import check_replicas
+from ..settings import settings
 from .elastic import check_elastic, progress, recover
 from .requests import Requests
 
@@ -88,6 +90,9 @@ class Joinable(ABC):
     _elastic = False
     """True for a joinable that can go on without lost ranks in a ``Join(elastic=True)``
     (:mod:`~tensorplay_mpi.algorithms.elastic` lists what it implements)."""
+    _elastic_needs_owner = False
+    """True for a joinable whose state an interrupted step changes through another one that
+    applies the step (DataParallel's parameters: an optimizer in the Join, or ``update=``)."""
 
     @abstractmethod
     def __init__(self) -> None:
@@ -235,7 +240,7 @@ class Join:
         step.
     TypeError
         If an element is not a Joinable, skipped ``Joinable.__init__``, its communicator
-        is not an intra-communicator, or `on_save` is not callable.
+        is not an intra-communicator, `on_save` is not callable or `elastic` not a bool.
 
     Notes
     -----
@@ -324,7 +329,9 @@ class Join:
     ) -> None:
         self._joinables = list(joinables)
         self._check_joinables()
-        self._elastic = bool(elastic)
+        if not isinstance(elastic, bool):
+            raise TypeError(f"elastic must be True or False, got {elastic!r}")
+        self._elastic = elastic
         if self._elastic:
             check_elastic(self._joinables)
         self._entered_progress = 0  # updates applied when entered (elastic)
@@ -417,6 +424,11 @@ class Join:
         """The joinables in list order: the order of an iteration's collectives and hooks;
         empty once the Join has exited (it keeps none of them alive)."""
         return tuple(self._joinables)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the Join goes on without lost ranks (``elastic=True``)."""
+        return self._elastic
 
     @property
     def joined(self) -> bool:
@@ -546,6 +558,7 @@ class Join:
                 except BaseException as error:
                     self._settle(error)
                     raise
+                self._agree_on_the_end()
         finally:
             Requests.exited(self)
             for joinable in self._joinables:
@@ -554,6 +567,13 @@ class Join:
                 self._guard.forget_settled()  # the exception, its frames and their objects
                 self._guard.drain()  # stall questions that came while this rank computed
             self._release()
+
+    def _agree_on_the_end(self) -> None:
+        """An elastic Join under fault tolerance ends on every rank alike: a rank lost before
+        every survivor left it (in the post hooks, say) is recovered from on every survivor."""
+        if self._elastic and fault_tolerance()[0] and not agree(self._comm):
+            raise recover(self._comm, self._joinables, None, self._timeout,
+                          self._entered_progress, agreed=True)
 
     def _release(self) -> None:
         """Drop the joinables and their hooks: an exited Join (a ``with ... as join`` variable
@@ -576,7 +596,9 @@ class Join:
             if self._elastic:
                 raise recover(self._comm, self._joinables, error, self._timeout,
                               self._entered_progress) from error
-            raise lost_rank_error(self._comm, error) from error
+            failure = lost_rank_error(self._comm, error)
+            revoke(self._comm, settings().grace)  # nothing left pending: the exit is clean
+            raise failure from error
 
     @staticmethod
     def notify_join_context(joinable: Joinable) -> Work | None:

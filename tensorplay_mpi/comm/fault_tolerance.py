@@ -25,7 +25,12 @@ from mpi4py import MPI
 from ..errors import PeerFailureError
 
 __all__ = ["fault_tolerance", "FUNCTIONS", "is_process_failure", "lost_ranks",
-           "lost_rank_error"]
+           "known_lost_ranks", "lost_rank_error", "FINALIZE_WATCHDOG_S"]
+
+FINALIZE_WATCHDOG_S = 20.0
+"""Under a fault-tolerant launch, a process still exiting this long after the library's exit
+hook ends with status 1 and a traceback: Open MPI's ``MPI_Finalize`` after a lost rank hung
+once in about 80 runs here."""
 
 FUNCTIONS = ("Revoke", "Shrink", "Agree", "Get_failed")
 """The ULFM methods of ``mpi4py.MPI.Comm`` that surviving a lost rank needs."""
@@ -74,12 +79,17 @@ def is_process_failure(error: BaseException, comm: MPI.Comm | None = None) -> bo
         return True
     if comm is None:
         return False
+    return bool(known_lost_ranks(comm))
+
+
+def known_lost_ranks(comm: MPI.Comm) -> list[int]:
+    """:func:`lost_ranks`, once `comm` knows of one, within :data:`DETECTION_S` (a survivor
+    that learns of the loss from another's revocation may know of no lost rank yet)."""
     deadline = time.monotonic() + DETECTION_S
-    while not lost_ranks(comm):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    while not (lost := lost_ranks(comm)) and time.monotonic() < deadline:
+        MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)  # drives MPI's progress (the
+        time.sleep(0.001)  # failure detector's notices travel in it)
+    return lost
 
 
 def lost_ranks(comm: MPI.Comm) -> list[int]:
@@ -94,6 +104,6 @@ def lost_ranks(comm: MPI.Comm) -> list[int]:
 def lost_rank_error(comm: MPI.Comm, error: BaseException) -> PeerFailureError:
     """The error a survivor raises for a lost rank (`error`: MPI's report of it)."""
     return PeerFailureError(
-        f"rank {comm.Get_rank()}: rank(s) {lost_ranks(comm)} of the communicator were lost "
+        f"rank {comm.Get_rank()}: rank(s) {known_lost_ranks(comm)} of the communicator were lost "
         f"(the process is gone: {error}); the Join cannot go on without them, so the job "
         "ends: run the same command again to resume from the last periodic save")

@@ -15,25 +15,58 @@ from typing import cast
 
 from mpi4py import MPI
 
+from .fault_tolerance import is_process_failure
 from .guard import Guard
 from .work import pending_of
 
-__all__ = ["shrink"]
+__all__ = ["agree", "revoke", "shrink"]
 
 
-def shrink(comm: MPI.Intracomm, grace: float) -> tuple[MPI.Intracomm, list[int]]:
-    """Revoke `comm`, release the library's operations on it, and shrink it.
+def agree(comm: MPI.Intracomm) -> bool:
+    """Whether no rank of `comm` is lost, the same answer on every survivor
+    (``MPI_Comm_agree``: a fault-tolerant agreement, which a revoked communicator still runs).
+
+    Collective over the survivors of `comm`.  Each survivor must agree once on a communicator
+    before it shrinks it (:func:`shrink`), whichever path brought it there.
+    """
+    try:
+        comm.Agree(1)
+    except MPI.Exception as error:
+        if is_process_failure(error):
+            return False
+        raise
+    return True
+
+
+def revoke(comm: MPI.Intracomm, grace: float) -> None:
+    """Revoke `comm` and release the library's operations on it: each ends in error (its
+    result void), so that nothing stays pending at exit; any left after `grace` s is dropped.
+    Local (the revocation reaches the other ranks by itself)."""
+    guard = Guard.of(comm)
+    for each in [comm, *(guard.private() if guard is not None else [])]:
+        each.Revoke()
+    if guard is not None:
+        guard.broken = guard.broken or "the loss of a rank (the communicator is revoked)"
+        _release(guard, grace)
+
+
+def shrink(comm: MPI.Intracomm, grace: float, agreed: bool = False
+           ) -> tuple[MPI.Intracomm, list[int]]:
+    """Revoke `comm`, release the library's operations on it, agree, and shrink it.
 
     Collective over the survivors of `comm`: each must call it (a survivor learns of the loss
-    in its next operation on `comm`, which the revocation ends at once).
+    in its next operation on `comm`, which the revocation ends at once).  The agreement
+    (:func:`agree`) comes first, so that a survivor that learnt of the loss from an agreement
+    of its own (`agreed`: an elastic Join's end) meets the others there.
 
     Parameters
     ----------
     comm : mpi4py.MPI.Intracomm
         The communicator that lost ranks.
     grace : float
-        Seconds to wait for the library's operations on it to end in error; those still
-        pending then are dropped (their communicator is unusable, MPI never completes them).
+        Seconds to wait for the library's operations on it to end in error (:func:`revoke`).
+    agreed : bool, default False
+        This rank has run :func:`agree` on `comm` already (and it said a rank was lost).
 
     Returns
     -------
@@ -41,12 +74,9 @@ def shrink(comm: MPI.Intracomm, grace: float) -> tuple[MPI.Intracomm, list[int]]
         The survivors' communicator, and the lost ranks numbered in `comm` (the same on every
         survivor).
     """
-    guard = Guard.of(comm)
-    for each in [comm, *(guard.private() if guard is not None else [])]:
-        each.Revoke()
-    if guard is not None:
-        guard.broken = guard.broken or "the loss of a rank (revoked, shrunk to the survivors)"
-        _release(guard, grace)
+    revoke(comm, grace)
+    if not agreed:
+        agree(comm)  # False: a rank is lost (this is why we are here)
     survivors = cast(MPI.Intracomm, comm.Shrink())  # an intra-communicator's is one too
     return survivors, _lost(comm, survivors)
 

@@ -242,7 +242,9 @@ class Survivors:
             except MPI.Exception as error:
                 if not (self.elastic and is_process_failure(error, self.comm)):
                     raise
-                on_lost(recover(self.comm, joinables, error))
+                lost = recover(self.comm, joinables, error)
+                self.comm = lost.comm
+                on_lost(lost)
 
 
 def stopped(comm: MPI.Intracomm, reason: str | None, epoch: int, step: int,
@@ -384,8 +386,11 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                        epoch: int = epoch) -> None:  # a loss between the epoch's Joins
             survivors.lost(lost, sampler, tally, split_start, None, epoch)  # noqa: B023
 
+        validation = "" if join.stopped else survivors.retry(lambda: validate(
+            survivors.comm, lambda batch: forward(params, xp.asarray(batch))[1], x_test, y_test,
+            args.batch_size, args.skew), [dp, opt], after_join)  # before the tally: a loss
         summed = survivors.retry(lambda: tally.summed(survivors.comm),  # noqa: B023
-                                 [dp, opt], after_join)
+                                 [dp, opt], after_join)  # here adds the lost rank's samples
         comm = survivors.comm
         totals = summed["totals"]
         if join.stopped:
@@ -400,10 +405,6 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         if survivors.lost_in_epoch and not once(comm, epoch, summed["seen"],
                                                 "with a lost rank"):
             return 1
-        validation = survivors.retry(lambda: validate(
-            survivors.comm, lambda batch: forward(params, xp.asarray(batch))[1], x_test, y_test,
-            args.batch_size, args.skew), [dp, opt], after_join)
-        comm = survivors.comm
         epoch_done(comm, epoch, args.epochs, totals, validation)
     if args.checkpoint and first <= args.epochs:  # so that running it again only reports
         checkpoint.save(args.checkpoint, params, step=args.epochs * sampler.max_batches(),

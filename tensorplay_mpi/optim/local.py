@@ -96,6 +96,7 @@ class Optimizer(LinkedOptimizer, OptimizerState):
         self.param_groups = [dict(defaults)]
         self.steps = 0
         self.param_steps = np.zeros(len(self.params), dtype=np.int64)
+        self._counter = np.zeros(1, dtype=np.int64)  # what an elastic settle broadcasts
         set_up()
         self._hyper(1)
         rules.warm_up(self.params)  # the fused kernels compile here, not in the first step
@@ -231,10 +232,12 @@ class Optimizer(LinkedOptimizer, OptimizerState):
         return self.steps
 
     def _elastic_state(self) -> list[Any]:
-        return [*self.params, *(a for s in self.state for a in s.values()), self.param_steps]
+        self._counter[0] = self.steps
+        return [*self.params, *(a for s in self.state for a in s.values()), self.param_steps,
+                self._counter]
 
-    def _elastic_restore(self, step: int) -> None:
-        self.steps = step
+    def _elastic_restore(self) -> None:
+        self.steps = int(self._counter[0])
 
     def _move_to(self, comm: MPI.Intracomm) -> None:
         self.comm = comm

@@ -329,6 +329,8 @@ class DataParallel(GuardedJoinable):
         self._unentered: _MustEnter | None = None  # a step() or no_sync() never entered
         self._steps = 0
         self._updates = 0  # update= runs completed (an elastic Join's settle)
+        self._completed = 0  # the number of the last step completed
+        self._counters = np.zeros(2, dtype=np.int64)  # what an elastic settle broadcasts
         self._step: _Step | None = None  # the step in progress
         self._counts = np.zeros(5, dtype=np.int64)  # the step control's buffers
         self._highest = np.zeros(1, dtype=np.int64)
@@ -379,6 +381,12 @@ class DataParallel(GuardedJoinable):
     def _no_sync(self) -> Iterator[None]:
         if self._step is not None:
             raise RuntimeError("no_sync() must be entered outside a step, around dp.step()")
+        join = self.join_context
+        if join is not None and join.elastic:
+            raise RuntimeError(
+                "no_sync() inside an elastic Join: a lost rank's accumulated gradients could "
+                "not be settled (the samples of an interrupted accumulation would be counted "
+                "wrong); accumulate with dp.step(micro_batches=...) or leave elastic off")
         previous, self._sync = self._sync, False
         try:
             yield
@@ -734,6 +742,8 @@ class DataParallel(GuardedJoinable):
         except BaseException as error:
             self._recover(step, error)
             raise
+        else:
+            self._completed = step.number
         finally:
             self._step = None
 
@@ -802,19 +812,22 @@ class DataParallel(GuardedJoinable):
     # -- an elastic Join's settle (tensorplay_mpi.algorithms.elastic) ------------------------
 
     _elastic = True
+    _elastic_needs_owner = True  # its parameters change through the optimizer or update=
 
     def _elastic_progress(self) -> int | None:
         """``update=`` runs completed: the step's owner with ``update=``; else None."""
         return None if self._update is None else self._updates
 
     def _elastic_state(self) -> list[Any]:
-        return self.params + self.buffers
+        """The parameters, the buffers and the counts of completed steps and updates."""
+        self._counters[:] = self._completed, self._updates
+        return self.params + self.buffers + [self._counters]
 
-    def _elastic_restore(self, step: int) -> None:
-        """The settled step is every survivor's step count (an interrupted one is dropped)."""
-        self._steps = step
-        if self._update is not None:
-            self._updates = step
+    def _elastic_restore(self) -> None:
+        """Steps are those completed (an interrupted one is dropped, or completed from another
+        rank)."""
+        self._steps = self._completed = int(self._counters[0])
+        self._updates = int(self._counters[1])
 
     def _move_to(self, comm: MPI.Intracomm) -> None:
         super()._move_to(comm)

@@ -191,6 +191,8 @@ def test_two_shrinks_and_a_checkpoint_state_between_them_keep_each_sample_once()
                                                 ([3], 1, "lost must name"),
                                                 ([0], 1, "other than this rank"),
                                                 ([1], -1, "steps must be"),
+                                                ([1.7], 1, "must be ranks"),
+                                                (["1"], 1, "must be ranks"),
                                                 ([1], 1.5, "steps must be")])
 def test_a_bad_shrink_is_a_value_error(lost, steps, match):
     with pytest.raises(ValueError, match=match):

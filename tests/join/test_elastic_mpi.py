@@ -21,8 +21,19 @@ def test_joinables_that_cannot_go_on_are_refused_on_every_rank(comm):
         Join([AllReducer(comm)], elastic=True)
     with raises_everywhere(ValueError, match="needs the joinable that applies the step"):
         Join([DataParallel([np.zeros(2)], comm=comm)], elastic=True)
-    with raises_everywhere(ValueError, match="needs the joinable that applies the step"):
-        Join([JoinableComm(comm)], elastic=True)
+    with raises_everywhere(TypeError, match="elastic must be True or False"):
+        Join([JoinableComm(comm)], elastic="no")
+    Join([JoinableComm(comm)], elastic=True)  # nothing to settle: a validation's Join
+
+
+@pytest.mark.mpi
+def test_no_sync_in_an_elastic_join_is_refused_on_every_rank(comm):
+    dp = DataParallel([np.zeros(3)], comm=comm)
+    opt = SGD(dp.params, dp.grads, lr=1.0)
+    with raises_everywhere(RuntimeError, match="no_sync\\(\\) inside an elastic Join"):
+        with Join([dp, opt], elastic=True):
+            with dp.no_sync(), dp.step():
+                dp.grads[0][...] = 1.0
 
 
 @pytest.mark.mpi
@@ -86,7 +97,7 @@ def test_the_settle_gives_the_state_of_the_lowest_rank_that_applied_the_step(com
     for array in expected:  # rank 1's: the lowest rank ahead
         comm.Bcast(array, root=1)
     step, root = elastic.settle(comm, [dp, opt], 60.0)
-    ok = (step, root) == (3, 1) and opt.steps == 3 and dp.steps == 3 and all(
+    ok = (step, root) == (3, 1) and opt.steps == 3 and dp.steps == 2 and all(
         np.array_equal(a, e) for a, e in zip(opt._elastic_state(), expected))
     assert_all(ok, f"rank {comm.rank}: settled at {step} from {root}, params {params[0]} "
                    f"(rank 1's {expected[0]}), steps {opt.steps}/{dp.steps}")

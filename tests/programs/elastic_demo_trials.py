@@ -65,11 +65,15 @@ def trial(ranks, rng):
     text = "".join(lines) + rest
     if "lost rank(s)" not in text and "held-out accuracy" in text:
         return "late", pause, text
-    checks = [job.returncode == 0, re.search(r"lost rank\(s\) \[\d\]", text),
-              "each exactly once: yes" in text, "held-out accuracy" in text,
-              f"parameters identical on all {ranks - 1} ranks: yes" in text]
-    verdict = "ok" if all(checks) else "WRONG"
-    return verdict, pause, f"exit {job.returncode} in {time.monotonic() - start:.1f} s\n{text}"
+    checks = {"exit 0": job.returncode == 0,
+              "the lost rank's line": re.search(r"lost rank\(s\) \[\d\]", text) is not None,
+              "each exactly once": "each exactly once: yes" in text,
+              "the accuracy": "held-out accuracy" in text,
+              "identical": f"parameters identical on all {ranks - 1} ranks: yes" in text}
+    failed = [name for name, ok in checks.items() if not ok]
+    return ("WRONG" if failed else "ok", pause,
+            f"missing: {failed}; exit {job.returncode} in {time.monotonic() - start:.1f} s\n"
+            f"{text}")
 
 
 def main():
@@ -88,8 +92,8 @@ def main():
               f"lost rank {lost.group(1) if lost else '?'} at epoch "
               f"{lost.group(2) if lost else '?'}, step {lost.group(3) if lost else '?'}  "
               f"accuracy {accuracy.group(1) if accuracy else '?'}", flush=True)
-        if verdict != "ok":
-            print(text[-3000:], flush=True)
+        if verdict != "ok":  # without the progress bars
+            print(re.sub(r"\[[#.]+\] epoch +\d+/\d+ [^\n\[]*", "", text)[-3000:], flush=True)
     print(f"TRIALS ranks={ranks} ok={results.count('ok')} of {len(results)}", flush=True)
     return 0 if results.count("ok") == len(results) else 1
 
