@@ -44,7 +44,7 @@ from mpi4py import MPI
 from tensorplay_mpi import (SGD, DataParallel, Join, RanksLostError, checkpoint,
                             keep_stop_signals, request_save)
 from tensorplay_mpi.algorithms.elastic import recover
-from tensorplay_mpi.comm import iallreduce
+from tensorplay_mpi.comm import iallgather, iallreduce
 from tensorplay_mpi.comm.fault_tolerance import is_process_failure
 from tensorplay_mpi.data import Sampler, shard_sizes
 from tensorplay_mpi.examples.evaluation import validate
@@ -412,8 +412,10 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
     hits = forward(params, xp.asarray(x_test))[1].argmax(axis=1) == xp.asarray(y_test)
 
     def finish() -> int:
-        elapsed = survivors.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-        return report(survivors.comm, args, params, float(hits.mean()), elapsed, len(y_test))
+        elapsed = np.array([time.perf_counter() - start])
+        iallreduce(survivors.comm, MPI.IN_PLACE, elapsed, MPI.MAX, "the time").wait()
+        return report(survivors.comm, args, params, float(hits.mean()), float(elapsed[0]),
+                      len(y_test))
 
     return survivors.retry(finish, [dp, opt], lambda lost: None)
 
@@ -422,8 +424,12 @@ def report(comm: MPI.Intracomm, args: argparse.Namespace, params: list[Any], acc
            elapsed: float, tested: int) -> int:
     """Print the demo's last lines on rank 0; the exit status: 0 if accurate and identical.
 
-    Collective over `comm` (it compares the parameters' digests)."""
-    digests = comm.allgather(params_digest(params))
+    Collective over `comm` (it compares the parameters' digests, through the library: a rank
+    lost meanwhile is an error, never a garbled result)."""
+    mine = np.frombuffer(bytes.fromhex(params_digest(params)), np.int64)
+    every = np.empty(comm.size, np.int64)
+    iallgather(comm, mine, every, "the parameters' digests").wait()
+    digests = [int(d).to_bytes(8, "little", signed=True).hex() for d in every]
     identical = len(set(digests)) == 1
     if comm.rank == 0:
         print(f"held-out accuracy {accuracy:.4f} ({tested} samples)")
