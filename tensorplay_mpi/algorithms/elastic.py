@@ -8,10 +8,10 @@ on every survivor:
    (:func:`~tensorplay_mpi.comm.shrink.shrink`);
 2. settles the interrupted iteration: each survivor counts the updates it applied (the step
    owners': a DataParallel with ``update=``, the library's optimizers).  Survivors are at most
-   one update apart (the interrupted one completed on some of them only); those behind receive
-   the replicated state (parameters, buffers, optimizer state) of the lowest-ranked survivor
-   that applied it.  The step is never half applied: it is complete on every survivor, or on
-   none, and then each rank's batch of it is unused;
+   one update apart (the interrupted one completed on some of them only); every survivor
+   adopts the replicated state (parameters, buffers, optimizer state, counters) of the
+   lowest-ranked survivor that applied the most.  The step is never half applied: it is
+   complete on every survivor, or on none, and then each rank's batch of it is unused;
 3. moves every joinable onto the survivors' communicator, and raises
    :class:`~tensorplay_mpi.errors.RanksLostError` saying what happened.
 
@@ -124,8 +124,8 @@ def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException 
     for joinable in joinables:
         joinable._move_to(survivors)
     completed = mine < step
-    how = (f"step {step} completed on this rank by rank {root} of the survivors" if completed
-           else f"step {step} (the interrupted step, if any, is redone)")
+    how = (f"step {step}, completed on this rank by rank {root} of the survivors" if completed
+           else f"step {step} (an interrupted step not applied anywhere is redone)")
     return RanksLostError(
         f"rank {old_rank}: rank(s) {sorted(lost)} of {old_size} were lost "
         f"({error or 'agreed at the end of the Join'}); going on with "
@@ -135,10 +135,11 @@ def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException 
 
 
 def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
-           ) -> tuple[int, int | None] | None:
-    """Bring every rank of `comm` to the most updates any applied: those behind receive the
-    joinables' state from the lowest rank that has them; return that step and that rank
-    (``None``: every rank was there).
+           ) -> tuple[int, int] | None:
+    """Bring every rank of `comm` to the most updates any applied: every rank adopts the
+    joinables' state of the lowest rank that applied them (the same where a rank is at that
+    step already, unless a broadcast of the interrupted Join was half received); return that
+    step and that rank.
 
     Collective over `comm`.  Under fault tolerance a rank adopts what it received only once
     every rank agreed that none was lost meanwhile (:func:`~tensorplay_mpi.comm.shrink.agree`);
@@ -153,14 +154,11 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
     """
     step, root = _agree_on_step(comm, progress(joinables) or 0, timeout)
     arrays = list({id(a): a for j in joinables for a in j._elastic_state()}.values())
-    received = arrays
-    if root is not None:
-        if comm.Get_rank() != root:  # into scratch: adopted once every rank has it
-            received = [a.copy() for a in arrays]
-        works = [ibcast(comm, a, root, f"elastic settle: state {i + 1} of {len(received)}")
-                 for i, a in enumerate(received)]
-        for work in works:
-            work.wait_or_abort(timeout)
+    received = arrays if comm.Get_rank() == root else [a.copy() for a in arrays]  # scratch:
+    works = [ibcast(comm, a, root, f"elastic settle: state {i + 1} of {len(received)}")
+             for i, a in enumerate(received)]  # adopted once every rank has it
+    for work in works:
+        work.wait_or_abort(timeout)
     if fault_tolerance()[0] and not agree(comm):
         return None
     for array, value in zip(arrays, received):
@@ -171,21 +169,18 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
     return step, root
 
 
-def _agree_on_step(comm: MPI.Intracomm, mine: int, timeout: float) -> tuple[int, int | None]:
+def _agree_on_step(comm: MPI.Intracomm, mine: int, timeout: float) -> tuple[int, int]:
     """The settled step (the most updates any survivor applied) and the survivor that sends
-    its state to those behind (``None``: every survivor is there)."""
-    span = np.array([mine, -mine], np.int64)
+    its state: the lowest rank that applied them (one ``Iallreduce(int64[2], MAX)`` of
+    ``[updates * size + size - 1 - rank, -updates]``)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    span = np.array([mine * size + size - 1 - rank, -mine], np.int64)
     iallreduce(comm, MPI.IN_PLACE, span, MPI.MAX, "elastic settle: steps").wait_or_abort(
         timeout)
-    most, fewest = int(span[0]), -int(span[1])
+    most, fewest = int(span[0]) // size, -int(span[1])
     if most - fewest > 1:
         raise RuntimeError(
             f"rank {comm.Get_rank()}: the survivors applied from {fewest} to {most} updates: "
             "more than the one an interrupted step explains, so no survivor's state is "
             "everyone's; end the job and resume from the last periodic save")
-    if most == fewest:
-        return most, None
-    root = np.array([comm.Get_rank() if mine == most else comm.Get_size()], np.int64)
-    iallreduce(comm, MPI.IN_PLACE, root, MPI.MIN, "elastic settle: sender").wait_or_abort(
-        timeout)
-    return most, int(root[0])
+    return most, size - 1 - int(span[0]) % size

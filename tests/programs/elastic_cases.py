@@ -6,9 +6,11 @@
    survivor raises PeerFailureError naming the lost rank and exits cleanly (``lost_rank.py``).
 2. With ``elastic``, at 3 and 4 ranks (``elastic_run.py``, checked there against a serial
    replay of the sampler's log): a loss at each point of a step (the heartbeat, between two
-   gradients, after the update, while the victim has joined, in a JoinableComm operation),
-   rank 0 lost, a loss while another rank has joined (rank 0 joins early in every epoch), two
-   losses one after the other, two at once, and one that leaves a single rank.
+   gradients, after the update, while the victim has joined, in a JoinableComm operation, in
+   ``on_save`` while a checkpoint is written: the last one must load whole), rank 0 lost, a
+   loss while another rank has joined (rank 0 joins early in every epoch), two losses one after
+   the other, two at once, one that leaves a single rank; the step applied by the Join's
+   optimizer or by ``DataParallel(update=...)``.
 3. RANDOM_RUNS runs (default 6) at 3 and at 4 ranks, each with a victim, a step, a point and
    a pause drawn from its seed.
 4. DEMO_TRIALS trials (default 3) of the demo, ``examples.train --elastic`` at 3 ranks, one
@@ -19,8 +21,10 @@ Prints one line per run and fails on the first wrong one (a hang is a timeout: w
 
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 PY = ".venv-ompi/bin/python"
@@ -35,6 +39,10 @@ CASES = [  # (ranks, arguments of elastic_run.py after the seed)
     (4, ["3@6:top"]), (4, ["1@9:backward"]), (4, ["0@2:update"]), (4, ["--jc", "2@5:jc"]),
     (3, ["0@4:top", "2@20:backward"]), (4, ["1@3:update", "3@16:top"]),
     (3, ["1@2:update", "2@2:update"]), (4, ["0@8:top", "1@8:top"]),
+    (3, ["--update", "1@5:top"]), (3, ["--update", "2@9:backward"]),
+    (4, ["--update", "0@3:update"]),
+    (3, ["--save=DIR", "1@6:save"]), (3, ["--save=DIR", "0@8:save"]),
+    (4, ["--save=DIR", "--update", "2@10:save"]),
 ]
 
 
@@ -65,14 +73,20 @@ def main():
     random_runs = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     demo_trials = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     checks = [(3, "tests/programs/lost_rank.py", [where], 2) for where in ("step", "joined", "jc")]
-    checks += [(n, "tests/programs/elastic_run.py", ["1", *args],
-                n - sum(not a.startswith("--") for a in args)) for n, args in CASES]
+    scratch = tempfile.mkdtemp(prefix="tensorplay-elastic-")
+    checks += [(n, "tests/programs/elastic_run.py",
+                ["1", *(a.replace("DIR", f"{scratch}/{k}") for a in args)],
+                n - sum(not a.startswith("--") for a in args))
+               for k, (n, args) in enumerate(CASES)]
     seeds = random.Random(int(time.time())).sample(range(10_000), random_runs)
     checks += [(n, "tests/programs/elastic_run.py", [str(s)], n - 1) for s in seeds
                for n in (3, 4)]
-    for ranks, program, args, survivors in checks:
-        if not run(ranks, program, args, survivors):
-            return 1
+    try:
+        for ranks, program, args, survivors in checks:
+            if not run(ranks, program, args, survivors):
+                return 1
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if demo_trials:
         return subprocess.run([PY, "tests/programs/elastic_demo_trials.py", str(demo_trials),
                                "3"], env=ENV).returncode

@@ -1,6 +1,7 @@
 """Training that loses ranks and goes on (``make test-elastic``), checked against a replay.
 
-    mpiexec --with-ft ulfm -n 3 python tests/programs/elastic_run.py SEED [--jc] [V@STEP:WHERE ...]
+    mpiexec --with-ft ulfm -n 3 python tests/programs/elastic_run.py SEED [--jc] [--update]
+        [--save=DIR] [V@STEP:WHERE ...]
 
 A DataParallel over two float64 parameters, stepped by SGD in an elastic Join, one Join per
 epoch, on uneven shards (``Sampler``, skew 1, so rank 0 joins early in every epoch):
@@ -13,7 +14,11 @@ epoch, on uneven shards (``Sampler``, skew 1, so rank 0 joins early in every epo
 With ``--jc`` a JoinableComm joins them (``Join([dp, opt, jc])``): each step it sums the
 batch sizes of the active ranks (checked against the log) in the step, so while a
 rank has joined the Join follows one ordered stream; WHERE may then be ``jc`` (just before
-that sum).
+that sum).  With ``--update`` the optimizer steps through ``DataParallel(update=...)`` instead
+of ``Join([dp, opt])``.  With ``--save=DIR`` every active rank asks for a save every 4 steps and
+the Join's ``on_save`` writes a checkpoint there; WHERE may then be ``save`` (in ``on_save``,
+before the write), and after the run the last checkpoint must load whole: the log's rows of
+its step as the run has them, none after.
 
 Each victim V (a rank of COMM_WORLD, as are the losses reported) SIGKILLs itself once its
 optimizer has applied STEP updates, at WHERE: ``top`` (before the step), ``backward`` (between
@@ -38,12 +43,13 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import SGD, DataParallel, Join, JoinableComm, RanksLostError
+from tensorplay_mpi import (SGD, DataParallel, Join, JoinableComm, RanksLostError, checkpoint,
+                            request_save)
 from tensorplay_mpi.data import Sampler
 
 SAMPLES, BATCH, EPOCHS, DIM, LR = 240, 8, 3, 5, 0.01
 WHERE = ("top", "backward", "update", "joined")
-JC_WHERE = (*WHERE, "jc")
+SAVE_EVERY = 4
 
 
 def plan(argv, size, seed, places):
@@ -70,19 +76,27 @@ def die_if(victims, world_rank, where, applied):
 
 
 def main():
-    seed, with_jc = int(sys.argv[1]), "--jc" in sys.argv
+    flags = [a for a in sys.argv[2:] if a.startswith("--")]
+    seed, with_jc, with_update = int(sys.argv[1]), "--jc" in flags, "--update" in flags
+    save_dir = next((a.split("=", 1)[1] for a in flags if a.startswith("--save=")), None)
     world = MPI.COMM_WORLD
-    victims = plan([a for a in sys.argv[2:] if a != "--jc"], world.size, seed,
-                   JC_WHERE if with_jc else WHERE)
+    places = WHERE + (("jc",) if with_jc else ()) + (("save",) if save_dir else ())
+    victims = plan([a for a in sys.argv[2:] if not a.startswith("--")], world.size, seed,
+                   places)
     data = np.random.default_rng(1234)
     x, y = data.normal(size=(SAMPLES, DIM)), data.normal(size=SAMPLES)
     log = np.zeros((EPOCHS * SAMPLES // BATCH + 8, SAMPLES))
     w = np.zeros(DIM)
     comm = world
     sampler = Sampler(SAMPLES, comm.rank, comm.size, batch_size=BATCH, seed=seed, skew=1.0)
-    dp = DataParallel([log, w], comm=comm)
+    dp = DataParallel([log, w], comm=comm,
+                      update=(lambda: opt.update()) if with_update else None)
     opt = SGD([log, w], dp.grads, lr=1.0)
     jc = JoinableComm(comm) if with_jc else None
+
+    def on_save():
+        die_if(victims, world.rank, "save", opt.steps)
+        checkpoint.save(save_dir, [log, w], step=opt.steps, comm=dp.comm)
     sums = []  # (row, the active ranks' batch sizes summed by jc)
     lost_seen, firsts, members = [], [], list(range(world.size))  # members: world ranks
     for epoch in range(1, EPOCHS + 1):
@@ -90,7 +104,9 @@ def main():
         firsts.append(opt.steps)
         while True:
             try:
-                with Join([dp, opt] + ([jc] if jc else []), elastic=True):
+                owners = [dp] if with_update else [dp, opt]
+                with Join(owners + ([jc] if jc else []), elastic=True,
+                          on_save=on_save if save_dir else None):
                     for idx in sampler:
                         die_if(victims, world.rank, "top", opt.steps)
                         with dp.step():
@@ -105,8 +121,11 @@ def main():
                             dp.grads[0][...] = 0.0
                             dp.grads[0][row, idx] = -size
                             dp.mark_ready(0)
-                        opt.step()
+                        if not with_update:
+                            opt.step()
                         die_if(victims, world.rank, "update", opt.steps)
+                        if save_dir and opt.steps % SAVE_EVERY == 0:
+                            request_save(f"every {SAVE_EVERY} steps")
                     die_if(victims, world.rank, "joined", opt.steps)
                 break
             except RanksLostError as lost:
@@ -117,12 +136,20 @@ def main():
                 comm = lost.comm
                 sampler.shrink(lost.lost, lost.steps)
     firsts.append(opt.steps)
-    report(comm, world, victims, log, w, x, y, firsts, lost_seen, sums)
+    report(comm, world, victims, log, w, x, y, firsts, lost_seen, sums, save_dir)
     MPI.Finalize()
 
 
-def report(comm, world, victims, log, w, x, y, firsts, lost_seen, sums):
+def report(comm, world, victims, log, w, x, y, firsts, lost_seen, sums, save_dir):
     problems = []
+    if save_dir:
+        saved = [np.zeros_like(log), np.zeros_like(w)]
+        resumed = checkpoint.load(save_dir, saved, comm=comm, resize=True)
+        if resumed is None:
+            problems.append("no checkpoint loads")
+        elif not (np.array_equal(saved[0][:resumed.step], log[:resumed.step])
+                  and not saved[0][resumed.step:].any()):
+            problems.append(f"the checkpoint of step {resumed.step} mixes steps")
     for row, total in sums:  # a redone step's first sum is checked against the step's log too
         if row < firsts[-1] and total < log[row].sum():
             problems.append(f"step {row + 1}: the JoinableComm summed {total:g} samples, "
