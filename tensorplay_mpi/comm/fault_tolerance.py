@@ -10,8 +10,8 @@ tensorplay_mpi.info`` prints the decision.
 Where it says yes, a lost rank surfaces in the survivors' next MPI call as
 ``MPI_ERR_PROC_FAILED`` (or ``MPI_ERR_REVOKED``); :func:`is_process_failure` recognises it and
 :func:`lost_rank_error` turns it into a :class:`~tensorplay_mpi.errors.PeerFailureError` that
-names the lost ranks (the Join raises it on every survivor).  Going on without them (revoke,
-agree, shrink) is not done yet: the job ends, and the same command resumes from the last save.
+names the lost ranks (the Join raises it on every survivor).  An elastic Join goes on without
+them instead (:mod:`~tensorplay_mpi.comm.shrink`, :mod:`~tensorplay_mpi.algorithms.elastic`).
 """
 
 from __future__ import annotations
@@ -106,4 +106,5 @@ def lost_rank_error(comm: MPI.Comm, error: BaseException) -> PeerFailureError:
     return PeerFailureError(
         f"rank {comm.Get_rank()}: rank(s) {known_lost_ranks(comm)} of the communicator were lost "
         f"(the process is gone: {error}); the Join cannot go on without them, so the job "
-        "ends: run the same command again to resume from the last periodic save")
+        "ends: run the same command again to resume from the last periodic save (or make "
+        "the Join elastic: Join(..., elastic=True))")
