@@ -262,10 +262,11 @@ class Sampler:
             self._splits = [*splits, (len(cursors), cursors)]
             self._parts()
 
-    def shrink(self, lost: Sequence[int], steps: int) -> np.ndarray:
+    def shrink(self, lost: Sequence[int], steps: int | None = None) -> np.ndarray:
         """Go on without the `lost` ranks, which left after `steps` steps of the current split
         (an elastic Join's :class:`~tensorplay_mpi.errors.RanksLostError`: ``lost.lost``,
-        ``lost.steps``); local, the same on every survivor.
+        ``lost.steps``; ``None``: the split is done, every batch consumed, as after a loss in a
+        validation between epochs); local, the same on every survivor.
 
         Each rank of the split consumed one batch per step until its batches ran out (a loop
         of one batch per step, from the cursor where the split began); the samples no rank
@@ -287,10 +288,12 @@ class Sampler:
         if not gone or gone[0] < 0 or gone[-1] >= self.size or self.rank in gone:
             raise ValueError(f"lost must name ranks of [0, {self.size}) other than this rank "
                              f"{self.rank}, got {list(lost)!r}")
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
-            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        if steps is not None and (isinstance(steps, bool) or steps < 0
+                                  or not isinstance(steps, numbers.Integral)):
+            raise ValueError(f"steps must be an int >= 0 or None, got {steps!r}")
         base, parts = self._base or [0] * self.size, self._parts()
-        cursors = [min(b + int(steps), -(-p.size // self.batch_size))
+        cursors = [-(-p.size // self.batch_size) if steps is None else
+                   min(b + int(steps), -(-p.size // self.batch_size))
                    for b, p in zip(base, parts)]
         consumed = np.concatenate([np.asarray(
             parts[r][base[r] * self.batch_size:cursors[r] * self.batch_size], dtype=np.int64)

@@ -52,6 +52,9 @@ class RanksLostError(PeerFailureError):
     completed : bool
         Whether this rank received the interrupted step's result from a survivor that had
         finished it (its batch of that step counts as used), rather than computed it.
+
+    Only the Join's joinables moved; :meth:`move` moves others (a DataParallel and its
+    optimizer after a loss in a validation ``Join([jc], elastic=True)``).
     """
 
     def __init__(self, message: str, *, lost: list[int], comm: Any, old_rank: int,
@@ -60,3 +63,13 @@ class RanksLostError(PeerFailureError):
         self.lost, self.comm, self.step, self.steps = lost, comm, step, steps
         self.old_rank, self.old_size, self.completed = old_rank, old_size, completed
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def move(self, *joinables: Any) -> None:
+        """Move `joinables`, which were not in the Join that lost the ranks, onto :attr:`comm`.
+
+        Collective over :attr:`comm`: every survivor moves the same ones, in the same order.
+        Their state is not settled: move only joinables that no interrupted step changed
+        (those of the training loop, after a loss in a validation Join).
+        """
+        for joinable in joinables:
+            joinable._move_to(self.comm)

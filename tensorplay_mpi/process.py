@@ -248,13 +248,13 @@ def _at_exit() -> None:
     """The exit hook: complete the pending operations (or abort), free the persistent
     requests still kept, and ignore the stop signals that keep_stop_signals() kept (Python
     gives them their default action back before mpi4py finalizes MPI); under a fault-tolerant
-    launch, arm the finalization watchdog (:data:`~tensorplay_mpi.comm.fault_tolerance.
+    launch, first arm the exit's watchdog (:data:`~tensorplay_mpi.comm.fault_tolerance.
     FINALIZE_WATCHDOG_S`)."""
+    if fault_tolerance()[0]:  # the exit after a lost rank: never a silent hang
+        faulthandler.dump_traceback_later(FINALIZE_WATCHDOG_S, exit=True)
     complete_all_at_exit()
     free_all()
     ignore_kept_signals()
-    if fault_tolerance()[0]:  # MPI_Finalize after a lost rank: never a silent hang
-        faulthandler.dump_traceback_later(FINALIZE_WATCHDOG_S, exit=True)
 
 
 atexit.register(_at_exit)  # after mpi4py's own: runs before MPI_Finalize

@@ -124,12 +124,14 @@ def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException 
     for joinable in joinables:
         joinable._move_to(survivors)
     completed = mine < step
-    how = (f"step {step}, completed on this rank by rank {root} of the survivors" if completed
-           else f"step {step} (an interrupted step not applied anywhere is redone)")
+    how = ("no step to settle" if progress(joinables) is None else
+           f"from step {step}, completed on this rank by rank {root} of the survivors"
+           if completed else f"from step {step} (an interrupted step not applied anywhere is "
+           "redone)")
     return RanksLostError(
         f"rank {old_rank}: rank(s) {sorted(lost)} of {old_size} were lost "
         f"({error or 'agreed at the end of the Join'}); going on with "
-        f"{survivors.Get_size()} ranks from {how}, as rank {survivors.Get_rank()}",
+        f"{survivors.Get_size()} ranks ({how}), as rank {survivors.Get_rank()}",
         lost=sorted(lost), comm=survivors, old_rank=old_rank, old_size=old_size, step=step,
         steps=step - entered, completed=completed)
 

@@ -44,7 +44,7 @@ from ..errors import CollectiveMismatchError, PeerFailureError
 from ..settings import settings
 from .agreement import agree, agree_on_setting
 from .drain import ReplayLog, drain
-from .fault_tolerance import is_process_failure, lost_ranks
+from .fault_tolerance import is_process_failure, known_lost_ranks
 from .stall import ANSWER_TAG, QUERY_TAG, StallReport, answer
 from .work import Work
 
@@ -247,7 +247,7 @@ class Guard:
         if self._settled is not None and self._settled[0] is error:
             return self._settled[1]
         if self.broken is None and is_process_failure(error, self._comm):  # no agreement
-            self.broken = f"the loss of rank(s) {lost_ranks(self._comm)} ({error})"
+            self.broken = f"the loss of rank(s) {known_lost_ranks(self._comm)} ({error})"
         if self.broken is not None:
             verdict = Verdict(False, progress)
         else:

@@ -197,3 +197,15 @@ def test_two_shrinks_and_a_checkpoint_state_between_them_keep_each_sample_once()
 def test_a_bad_shrink_is_a_value_error(lost, steps, match):
     with pytest.raises(ValueError, match=match):
         samplers(3)[0].shrink(lost, steps)
+
+
+def test_a_shrink_after_the_split_is_done_leaves_nothing_and_names_the_lost_samples():
+    ranks = samplers(3)
+    for s in ranks:
+        list(s)
+    gone = ranks[0].shrink([1])
+    ranks[2].shrink([1])
+    assert sorted(gone.tolist()) == sorted(i for b in samplers(3)[1].batches()
+                                           for i in b.tolist())
+    assert list(ranks[0]) == [] and list(ranks[2]) == []
+    assert (ranks[2].rank, ranks[2].size) == (1, 2)

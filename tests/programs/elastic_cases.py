@@ -43,6 +43,7 @@ CASES = [  # (ranks, arguments of elastic_run.py after the seed)
     (4, ["--update", "0@3:update"]),
     (3, ["--save=DIR", "1@6:save"]), (3, ["--save=DIR", "0@8:save"]),
     (4, ["--save=DIR", "--update", "2@10:save"]),
+    (3, ["--validate", "1@15:validate"]), (4, ["--validate", "--jc", "0@20:validate"]),
 ]
 
 

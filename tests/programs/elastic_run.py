@@ -1,7 +1,7 @@
 """Training that loses ranks and goes on (``make test-elastic``), checked against a replay.
 
     mpiexec --with-ft ulfm -n 3 python tests/programs/elastic_run.py SEED [--jc] [--update]
-        [--save=DIR] [V@STEP:WHERE ...]
+        [--save=DIR] [--validate] [V@STEP:WHERE ...]
 
 A DataParallel over two float64 parameters, stepped by SGD in an elastic Join, one Join per
 epoch, on uneven shards (``Sampler``, skew 1, so rank 0 joins early in every epoch):
@@ -18,7 +18,10 @@ that sum).  With ``--update`` the optimizer steps through ``DataParallel(update=
 of ``Join([dp, opt])``.  With ``--save=DIR`` every active rank asks for a save every 4 steps and
 the Join's ``on_save`` writes a checkpoint there; WHERE may then be ``save`` (in ``on_save``,
 before the write), and after the run the last checkpoint must load whole: the log's rows of
-its step as the run has them, none after.
+its step as the run has them, none after.  With ``--validate`` each epoch ends with a
+validation ``Join([jc], elastic=True)`` of a few JoinableComm allreduces; WHERE may be
+``validate`` (in it): the training's joinables then move with ``lost.move`` and the sampler
+takes the loss with the epoch done (``sampler.shrink(lost.lost)``).
 
 Each victim V (a rank of COMM_WORLD, as are the losses reported) SIGKILLs itself once its
 optimizer has applied STEP updates, at WHERE: ``top`` (before the step), ``backward`` (between
@@ -78,9 +81,11 @@ def die_if(victims, world_rank, where, applied):
 def main():
     flags = [a for a in sys.argv[2:] if a.startswith("--")]
     seed, with_jc, with_update = int(sys.argv[1]), "--jc" in flags, "--update" in flags
+    with_validate = "--validate" in flags
     save_dir = next((a.split("=", 1)[1] for a in flags if a.startswith("--save=")), None)
     world = MPI.COMM_WORLD
-    places = WHERE + (("jc",) if with_jc else ()) + (("save",) if save_dir else ())
+    places = WHERE + (("jc",) if with_jc else ()) + (("save",) if save_dir else ()) + (
+        ("validate",) if with_validate else ())
     victims = plan([a for a in sys.argv[2:] if not a.startswith("--")], world.size, seed,
                    places)
     data = np.random.default_rng(1234)
@@ -129,15 +134,34 @@ def main():
                     die_if(victims, world.rank, "joined", opt.steps)
                 break
             except RanksLostError as lost:
-                print(f"RECOVERED at {time.time():.6f}", flush=True)  # and training again
-                gone = [members[r] for r in lost.lost]
-                members = [m for m in members if m not in gone]
-                lost_seen.append((lost.old_size, gone, lost.step, lost.completed))
+                members = noted(lost, members, lost_seen)
                 comm = lost.comm
                 sampler.shrink(lost.lost, lost.steps)
+        while with_validate:  # a validation Join of its own (the epoch's samples all used)
+            try:
+                vjc = JoinableComm(comm)
+                with Join([vjc], elastic=True):
+                    for _ in range(2 + comm.rank % 2):
+                        vjc.begin_iteration()
+                        die_if(victims, world.rank, "validate", opt.steps)
+                        vjc.allreduce(np.ones(3))
+                break
+            except RanksLostError as lost:  # the training's joinables move too
+                members = noted(lost, members, lost_seen)
+                lost.move(*owners, *([jc] if jc else []))
+                comm = lost.comm
+                sampler.shrink(lost.lost)
     firsts.append(opt.steps)
     report(comm, world, victims, log, w, x, y, firsts, lost_seen, sums, save_dir)
     MPI.Finalize()
+
+
+def noted(lost, members, lost_seen):
+    """Record `lost` (its ranks as COMM_WORLD ranks); the members of the survivors' comm."""
+    print(f"RECOVERED at {time.time():.6f}", flush=True)  # and training again
+    gone = [members[r] for r in lost.lost]
+    lost_seen.append((lost.old_size, gone, lost.step, lost.completed))
+    return [m for m in members if m not in gone]
 
 
 def report(comm, world, victims, log, w, x, y, firsts, lost_seen, sums, save_dir):
