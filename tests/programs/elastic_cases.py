@@ -16,12 +16,14 @@
 4. DEMO_TRIALS trials (default 3) of the demo, ``examples.train --elastic`` at 3 ranks, one
    rank SIGKILLed from outside at a random moment (``elastic_demo_trials.py``).
 
-Prints one line per run and fails on the first wrong one (a hang is a timeout: wrong).
+Prints one line per run and fails on the first wrong one (a rank that hangs is wrong; Open MPI's
+launcher hanging after every rank exited is reported, ``exit launcher hang``).
 """
 
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +32,7 @@ import time
 PY = ".venv-ompi/bin/python"
 RUN = [".venv-ompi/bin/mpiexec", "--oversubscribe", "--with-ft", "ulfm"]
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-TIMEOUT_S = 120
+TIMEOUT_S = 60
 
 CASES = [  # (ranks, arguments of elastic_run.py after the seed)
     (2, ["1@5:top"]), (2, ["0@7:backward"]),
@@ -47,22 +49,44 @@ CASES = [  # (ranks, arguments of elastic_run.py after the seed)
 ]
 
 
-def run(ranks, program, args, survivors):
-    """Run `program` at `ranks` ranks; True when `survivors` ranks print ``RESULT ... ok``."""
-    start = time.monotonic()
+def ranks_alive(session, program):
+    """The rank processes of the job in `session` (a launch's process group) still running."""
+    out = subprocess.run(["ps", "-eo", "sid=,pid=,args="], capture_output=True,
+                         text=True).stdout
+    rows = [line.split(None, 2) for line in out.splitlines()]
+    return [args for sid, _, args in (r for r in rows if len(r) == 3)
+            if sid == str(session) and args.split()[0].endswith("python") and program in args]
+
+
+def launch(ranks, program, args):
+    """Run the job; (output, exit status).  A launcher still running once every rank process
+    has exited is killed and reported (status ``"launcher hang"``): Open MPI's prterun did
+    that here after a lost rank, about once in 30 jobs, whatever the ranks did."""
+    job = subprocess.Popen([*RUN, "-n", str(ranks), PY, program, *args], env=ENV,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
     try:
-        done = subprocess.run([*RUN, "-n", str(ranks), PY, program, *args], env=ENV,
-                              capture_output=True, text=True, timeout=TIMEOUT_S)
-        out, status = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as expired:
-        out, status = f"{expired.stdout or ''}{expired.stderr or ''}\nHANG", "timeout"
+        out, _ = job.communicate(timeout=TIMEOUT_S)
+        return out, job.returncode
+    except subprocess.TimeoutExpired:
+        alive = ranks_alive(job.pid, program)
+        os.killpg(job.pid, signal.SIGKILL)
+        out, _ = job.communicate()
+        return (out, "launcher hang") if not alive else (f"{out}\nHANG: {alive}", "timeout")
+
+
+def run(ranks, program, args, survivors):
+    """Run `program` at `ranks` ranks; True when `survivors` ranks print ``RESULT ... ok``
+    and exit (status 0, or a launcher that hangs after every rank exited)."""
+    start = time.monotonic()
+    out, status = launch(ranks, program, args)
     results = [line for line in out.splitlines() if line.startswith("RESULT")]
     killed = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("KILLED")]
     back = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("RECOVER")]
     recovery = (f"  recovered in {max(back) - min(killed):.2f} s" if len(killed) == 1 and back
                 else "")
     ok = sum(" ok " in f"{line} " for line in results) == survivors and len(results) == survivors
-    ok = ok and status == 0
+    ok = ok and status in (0, "launcher hang")
     print(f"{'ok   ' if ok else 'WRONG'} {ranks} ranks {' '.join(args):32} exit {status} "
           f"in {time.monotonic() - start:.1f} s{recovery}", flush=True)
     if not ok:
