@@ -26,10 +26,15 @@ def test_joinables_that_cannot_go_on_are_refused_on_every_rank(comm):
     Join([JoinableComm(comm)], elastic=True)  # nothing to settle: a validation's Join
 
 
+def dp_and_sgd(comm):
+    """A DataParallel over one array of 3 zeros, and SGD (lr 1) stepping with its gradients."""
+    dp = DataParallel([np.zeros(3)], comm=comm)
+    return dp, SGD(dp.params, dp.grads, lr=1.0)
+
+
 @pytest.mark.mpi
 def test_no_sync_in_an_elastic_join_is_refused_on_every_rank(comm):
-    dp = DataParallel([np.zeros(3)], comm=comm)
-    opt = SGD(dp.params, dp.grads, lr=1.0)
+    dp, opt = dp_and_sgd(comm)
     with raises_everywhere(RuntimeError, match="no_sync\\(\\) inside an elastic Join"):
         with Join([dp, opt], elastic=True):
             with dp.no_sync(), dp.step():
@@ -41,10 +46,9 @@ def test_no_sync_in_an_elastic_join_is_refused_on_every_rank(comm):
 def test_an_elastic_join_with_uneven_inputs_equals_a_plain_one(comm, owner):
     def train(elastic_join):
         params = [np.linspace(0, 1, 6).reshape(2, 3), np.ones(3)]
-        dp = DataParallel(params, comm=comm)
+        dp = DataParallel(params, comm=comm,  # the optimizer steps with these gradients
+                          update=(lambda: opt.update()) if owner == "update" else None)
         opt = Adam(params, dp.grads, lr=0.1)
-        if owner == "update":
-            dp = DataParallel(params, comm=comm, update=opt.update)
         joinables = [dp] if owner == "update" else [dp, opt]
         with Join(joinables, elastic=elastic_join):
             for step in range(2 + comm.rank):
@@ -57,13 +61,15 @@ def test_an_elastic_join_with_uneven_inputs_equals_a_plain_one(comm, owner):
 
     plain, elastic_run = train(False), train(True)
     same = all(np.array_equal(a, b) for a, b in zip(plain, elastic_run))
-    assert_all(same, f"rank {comm.rank}: {elastic_run} != {plain}")
+    longest = comm.size + 1  # every rank steps as often as the one with the most inputs
+    moved = not np.array_equal(plain[0], np.linspace(0, 1, 6).reshape(2, 3))
+    assert_all(same and moved and plain[2] == longest,
+               f"rank {comm.rank}: {elastic_run} != {plain}, or no step ({plain[2]} steps)")
 
 
 @pytest.mark.mpi
 def test_an_exception_in_an_elastic_join_propagates_unchanged(comm):
-    dp = DataParallel([np.zeros(3)], comm=comm)
-    opt = SGD(dp.params, dp.grads, lr=1.0)
+    dp, opt = dp_and_sgd(comm)
     with raises_everywhere(KeyError, match="mine"):
         with Join([dp, opt], elastic=True):
             with dp.step():
