@@ -647,8 +647,8 @@ class Join:
             self._requests.run_due_save(self)
         self._heartbeats = [w for w in self._heartbeats if not w.is_completed()]
         self._iterations += 1
-        recv = np.empty(1, dtype=np.int64)
-        work = iallreduce(self._comm, self._requests.heartbeat(), recv, MPI.SUM,
+        count = self._requests.heartbeat().copy()  # in place, as every library allreduce
+        work = iallreduce(self._comm, MPI.IN_PLACE, count, MPI.SUM,
                           f"heartbeat (iteration {self._iterations})", finish=self._requests.read)
         self._heartbeats.append(work)
         if self._throw_on_early_termination and self._sum_over_ranks(
