@@ -248,8 +248,10 @@ bench-fresh:  ## the optimizer benchmark on a fresh default install (FRESH_VENV)
 	cd benchmarks && OPENBLAS_NUM_THREADS=1 ../$(FRESH_VENV)/bin/python bench_optim.py \
 	  --out results/optim-fresh.json
 
-# On a machine with an NVIDIA GPU and CuPy: the gpu tests at 1 and 2 ranks, then the GPU
-# benchmark; JSON in benchmarks/results/. Under five minutes. By default in a venv (GPU_VENV)
+# On a machine with an NVIDIA GPU and CuPy: the gpu tests at 1 and 2 ranks (CuPy arrays and
+# torch CUDA tensors against serial runs), the GPU benchmark, the demos on the GPU (torch's
+# killed with SIGKILL and resumed to its digest), and a torch model on CUDA through
+# DataParallel against DDP over gloo; JSON in benchmarks/results/. About ten minutes. By default in a venv (GPU_VENV)
 # that sees $(PYTHON)'s packages (CuPy) and gets the project's (it needs the network). Offline,
 # name a Python that has CuPy, mpi4py with an MPI, pytest, pytest-mpi and pytest-timeout, and
 # its mpiexec: make gpu-check GPU_PY=python3 GPU_MPIEXEC=mpiexec (the project from this tree).
@@ -267,10 +269,16 @@ gpu-check: $(filter $(GPU_VENV)/bin/python,$(GPU_PY))  ## on an NVIDIA GPU with 
 	@mkdir -p benchmarks/results
 	@for n in 1 2; do \
 	  $(GPU_RUN) timeout -k 10 180 $(GPU_MPIEXEC) -n $$n $(GPU_PY) -m mpi4py -m pytest --with-mpi \
-	    -m gpu -q -rs --timeout=60 --timeout-method=thread tests/buffers/test_cupy_mpi.py || exit 1; \
+	    -m gpu -q -rs --timeout=60 --timeout-method=thread tests/buffers/test_cupy_mpi.py \
+	    tests/buffers/test_torch_cuda_mpi.py || exit 1; \
 	  $(GPU_RUN) timeout -k 10 60 $(GPU_MPIEXEC) -n $$n $(GPU_PY) -m mpi4py \
 	    benchmarks/bench_gpu.py --out benchmarks/results/gpu-$$n-ranks.json || exit 1; \
 	done
+	$(GPU_RUN) timeout -k 10 600 $(GPU_PY) -m pytest -m gpu -q -rs tests/project/test_examples.py
+	$(GPU_RUN) MPIEXEC="$(GPU_MPIEXEC)" timeout -k 10 600 $(GPU_PY) tests/programs/kill_trials.py \
+	  --demo torch --device cuda --ranks 1 2 --trials 2 --dir "$$(mktemp -d)"
+	$(GPU_RUN) OPENBLAS_NUM_THREADS=1 timeout -k 10 300 $(GPU_MPIEXEC) -n 2 $(GPU_PY) -m mpi4py \
+	  benchmarks/bench_torch.py --device cuda --out benchmarks/results/gpu-torch-2-ranks.json
 	$(GPU_RUN) $(GPU_PY) -m tensorplay_mpi.info
 
 clean:  ## remove the venvs, build outputs and test logs

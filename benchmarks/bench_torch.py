@@ -15,6 +15,10 @@ the repeats; each ``ratio`` is ours / DDP's (below 1: ours is faster):
    ``mark_ready`` (buckets start during ``backward()``) / without (every bucket starts after);
 5. ``same_parameters``: fresh models trained both ways (steps without a Join, then an uneven
    Join) end with the same parameters within float tolerance (the run fails otherwise).
+
+``--device cuda`` puts the models and batches on the GPU (rank ``r`` on GPU ``r % GPUs``):
+torch CUDA tensors through DataParallel against DDP over gloo with the same tensors; each
+timing ends with ``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from tensorplay_mpi import SGD, DataParallel, Join
 LR = 1e-3
 BATCH = 32
 LAYERS = 4
+DEVICE = torch.device("cpu")  # --device cuda: this rank's GPU
 
 
 def make_model(width: int, norm: bool = False) -> torch.nn.Module:
@@ -49,7 +54,7 @@ def make_model(width: int, norm: bool = False) -> torch.nn.Module:
         layers.append(torch.nn.Linear(width, width))
         if i < LAYERS - 1:
             layers += ([torch.nn.BatchNorm1d(width)] if norm else []) + [torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers)
+    return torch.nn.Sequential(*layers).to(DEVICE)
 
 
 class Ours:
@@ -99,6 +104,8 @@ def train(trainer, x, y, steps: int, join: bool, barrier: MPI.Intracomm | None =
     context.__enter__()
     for _ in range(steps):
         trainer.step(x, y)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     stepped = time.perf_counter()
     if barrier is not None:
         barrier.Barrier()
@@ -142,8 +149,8 @@ def same_parameters(comm: MPI.Intracomm, width: int, x, y, steps: int, extra: in
 
 def bench_width(comm: MPI.Intracomm, width: int, steps: int, extra: int, repeats: int) -> dict:
     generator = torch.Generator().manual_seed(comm.rank)
-    x = torch.randn(BATCH, width, generator=generator)
-    y = torch.randn(BATCH, width, generator=generator)
+    x = torch.randn(BATCH, width, generator=generator).to(DEVICE)
+    y = torch.randn(BATCH, width, generator=generator).to(DEVICE)
     ours, plain, ddp = Ours(width), Ours(width, overlap=False), Ddp(width)
     uneven = steps + comm.rank * extra
     barrier = comm.Dup()
@@ -186,6 +193,18 @@ def torch_parser(description: str, steps: int, extra: int) -> argparse.ArgumentP
     return parser
 
 
+def use_device(comm: MPI.Intracomm, device: str) -> None:
+    """Put the models on `device`: for ``cuda``, GPU ``rank % GPUs`` for torch and CuPy."""
+    global DEVICE
+    if device == "cuda":
+        import cupy
+
+        index = comm.rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        cupy.cuda.Device(index).use()
+        DEVICE = torch.device("cuda", index)
+
+
 def start(comm: MPI.Intracomm) -> None:
     """At least 2 ranks, one torch thread a rank, gloo set up over `comm`."""
     if comm.size < 2:
@@ -198,10 +217,13 @@ def main() -> None:
     parser = torch_parser(__doc__.split("\n")[0], steps=4, extra=2)
     parser.add_argument("--widths", default="500,2500",
                         help="layer widths (500: 1M parameters, 2500: 25M)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     start(comm)
+    use_device(comm, args.device)
     report = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "ranks": comm.size,
         "cores": os.cpu_count(),
         "torch": torch.__version__,

@@ -61,3 +61,88 @@ def use_mode(monkeypatch, aware):
     monkeypatch.setattr(buffers, "synchronize_stream", count_sync)
     Counters.reset()
 
+
+
+# -- torch CUDA tensors, stood in for by CPU tensors ------------------------------------------
+
+class TorchCounters:
+    stream_syncs = hand_backs = 0
+
+    @classmethod
+    def reset(cls):
+        cls.stream_syncs = cls.hand_backs = 0
+
+
+class FakeCuda:
+    """The mark of a stand-in CUDA tensor; `index` is its device's."""
+
+    index = 0
+
+
+def _fake_cuda_class(base, index):
+    """A subclass of torch class `base` marking its tensors as on ``cuda:index`` (for the
+    library only: torch still sees CPU tensors, its operations give plain tensors)."""
+    import torch
+
+    return type(f"FakeCuda{index}{base.__name__}", (base, FakeCuda), {
+        "__torch_function__": torch._C._disabled_torch_function_impl, "index": index})
+
+
+def is_on_device(tensor):
+    """Whether `tensor` is on a CUDA device: really, or as a stand-in."""
+    return isinstance(tensor, FakeCuda) or tensor.is_cuda
+
+
+def fake_cuda(x, index=0):
+    """`x` (a torch module, tensor or parameter) "moved" to ``cuda:index``: the same memory on
+    the CPU, its tensors of a class that the library takes for CUDA tensors."""
+    import torch
+
+    if isinstance(x, torch.nn.Module):
+        for t in [*x.parameters(), *x.buffers()]:
+            fake_cuda(t, index)
+        return x
+    base = torch.nn.Parameter if isinstance(x, torch.nn.Parameter) else torch.Tensor
+    x.__class__ = _FAKE_CLASSES.setdefault((base, index), _fake_cuda_class(base, index))
+    return x
+
+
+_FAKE_CLASSES = {}
+
+
+class FakeDeviceArray1(FakeDeviceArray):
+    def __dlpack_device__(self):
+        return (2, 1)  # kDLCUDA, device 1
+
+
+def use_torch_cuda_standin(monkeypatch, aware=True):
+    """Make :mod:`tensorplay_mpi.comm.torch_cuda` take fake CUDA tensors (:func:`fake_cuda`):
+    their "CuPy" views are :class:`FakeDeviceArray` s over the same memory, torch's stream
+    synchronisations and hand-backs are counted; the device path is CUDA-aware (`aware`) or
+    staged, as :func:`use_mode`."""
+    import torch
+
+    from tensorplay_mpi.comm import torch_cuda
+
+    def to_device_array(tensor):
+        array = tensor.detach().numpy()  # the CPU memory behind the stand-in
+        return array.view(FakeDeviceArray1 if tensor.index == 1 else FakeDeviceArray)
+
+    def to_tensor(array):
+        index = array.__dlpack_device__()[1]
+        return fake_cuda(torch.from_numpy(array.view(np.ndarray)), index)
+
+    def sync(device):
+        TorchCounters.stream_syncs += 1
+
+    def hand_back():
+        TorchCounters.hand_backs += 1
+
+    use_mode(monkeypatch, aware)
+    monkeypatch.setattr(torch_cuda, "_on_cuda", lambda tensor: isinstance(tensor, FakeCuda))
+    monkeypatch.setattr(torch_cuda, "_cupy_from_torch", to_device_array)
+    monkeypatch.setattr(torch_cuda, "_torch_from_cupy", to_tensor)
+    monkeypatch.setattr(torch_cuda, "_synchronize_torch_stream", sync)
+    monkeypatch.setattr(torch_cuda, "_order_torch_after_cupy", hand_back)
+    monkeypatch.setattr(torch_cuda, "_devices", set())
+    TorchCounters.reset()

@@ -42,23 +42,30 @@ def always(rank: int, t: int) -> bool:
     return True
 
 
+def on_host(x):
+    """The default `place`: models and tensors stay where they are made (the CPU)."""
+    return x
+
+
 def loss_of(model: Branchy, rank: int, t: int, m: int = 0,
-            uses: Callable[[int, int], bool] = always) -> torch.Tensor:
+            uses: Callable[[int, int], bool] = always, place: Callable = on_host) -> torch.Tensor:
     x, y = batch(rank, t, m)
-    return torch.nn.functional.mse_loss(model(x, uses(rank, t)), y)
+    return torch.nn.functional.mse_loss(model(place(x), uses(rank, t)), place(y))
 
 
 def serial(make_update: Callable[[Branchy], Callable[[], None]], inputs: list[int],
            uses: Callable[[int, int], bool] = always,
            micro: int | Callable[[int, int], int] = 1,
-           prepare: Callable[[Branchy], None] = lambda model: None) -> Branchy:
+           prepare: Callable[[Branchy], None] = lambda model: None,
+           place: Callable = on_host) -> Branchy:
     """The global steps replayed serially on one model; `make_update(model)` gives the step.
 
     `micro` is the number of micro-batches of each step, or a function of (rank, step) giving
-    it; `prepare(model)` runs first (freezing a layer, say).
+    it; `prepare(model)` runs first (freezing a layer, say); `place` moves the model and the
+    batches to a device (``lambda x: x.to("cuda")``).
     """
     micro_of = micro if callable(micro) else (lambda rank, t: micro)
-    model = Branchy()
+    model = place(Branchy())
     prepare(model)
     update = make_update(model)
     for t in range(max(inputs, default=0)):
@@ -66,7 +73,7 @@ def serial(make_update: Callable[[Branchy], Callable[[], None]], inputs: list[in
         for rank in range(len(inputs)):
             if inputs[rank] > t:
                 for m in range(micro_of(rank, t)):
-                    loss_of(model, rank, t, m, uses).backward()
+                    loss_of(model, rank, t, m, uses, place).backward()
         for p in model.parameters():
             if p.grad is not None:
                 p.grad /= len(inputs)
@@ -75,7 +82,7 @@ def serial(make_update: Callable[[Branchy], Callable[[], None]], inputs: list[in
 
 
 def arrays(model: torch.nn.Module) -> list[np.ndarray]:
-    return [p.detach().numpy().copy() for p in model.parameters()]
+    return [p.detach().cpu().numpy().copy() for p in model.parameters()]
 
 
 def close(got: list[np.ndarray], expected: list[np.ndarray], tol: float = 1e-12) -> str:

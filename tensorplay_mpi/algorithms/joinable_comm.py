@@ -76,8 +76,8 @@ class JoinableComm(GuardedJoinable):
     JoinableComm (:meth:`Join.announce`), so a joined rank follows one ordered stream.
     Outside an enabled Join the operations are plain collectives over every rank and nothing
     is retained.
-    Operations take NumPy or CuPy arrays, torch CPU tensors and CPU DLPack exporters (without
-    copies); a new result is a torch tensor when the input is one.
+    Operations take NumPy or CuPy arrays, torch tensors (CPU or CUDA) and CPU DLPack exporters
+    (without copies); a new result is a torch tensor on the input's device when it is one.
 
     Parameters
     ----------
@@ -436,7 +436,7 @@ class JoinableComm(GuardedJoinable):
 
     def _array(self, x: Any) -> Any:
         """`x` as an array MPI can send: C-ordered (a copy if it was not), on its device; a
-        torch CPU tensor or a CPU DLPack exporter as the NumPy view of its memory; a host array
+        torch tensor or a CPU DLPack exporter as the NumPy (CuPy) view of its memory; a host array
         of another ndarray type (``np.memmap``, ``np.matrix``) as a plain view, so that the
         path an operation takes never depends on one rank's array type."""
         if isinstance(x, np.ndarray) and not is_device_array(x):

@@ -33,7 +33,7 @@ from ..comm.agreement import agree
 from ..comm.buffers import is_device_array
 from ..comm.collectives import check_comm, default_comm, iallgather, resolve_timeout
 from ..comm.guard import Guard
-from ..comm.tensors import as_array, as_arrays
+from ..comm.tensors import as_arrays, host_array
 from ..optim.protocol import OptimizerState
 from ..process import set_up
 from ..replicas import digest
@@ -154,11 +154,6 @@ def _shard_path(directory: str, rank: int, size: int, token: int) -> str:
     return os.path.join(directory, f"optimizer-shard-{rank}-of-{size}.{token}.npz")
 
 
-def _host(array: Any) -> np.ndarray:
-    array = as_array(array)  # a torch tensor (requiring grad or not): its NumPy view
-    return array.get() if is_device_array(array) else np.asarray(array)
-
-
 def _like(sample: Any, host: np.ndarray) -> Any:
     """`host` where `sample` lives: a CuPy copy for a device array, else `host` itself."""
     if not is_device_array(sample):
@@ -212,7 +207,7 @@ def _optimizer_kind(optimizer: Any, zero: str) -> str:
 
 def _flatten(state_dict: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict]:
     """Arrays under ``prefix/i/name`` and the rest as JSON-ready metadata."""
-    arrays = {f"{prefix}/{i}/{name}": _host(a) for i, s in state_dict["state"].items()
+    arrays = {f"{prefix}/{i}/{name}": host_array(a) for i, s in state_dict["state"].items()
               for name, a in s.items()}
     if "param_steps" in state_dict:  # per-parameter step counts (parameters skipped unused)
         arrays[f"{prefix}/param_steps"] = np.asarray(state_dict["param_steps"], dtype=np.int64)
@@ -266,7 +261,7 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     ----------
     directory : str or os.PathLike
         The checkpoint directory, on a file system every rank sees.
-    params, buffers : sequences of arrays or torch CPU tensors
+    params, buffers : sequences of arrays or torch tensors (CPU or CUDA)
         NumPy or CuPy arrays, or torch tensors (``model.parameters()``, ``model.buffers()``,
         parameters that require grad included); rank 0's are saved, bitwise.
     optimizer : optional
@@ -314,8 +309,8 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
     directory = os.fspath(directory)
-    params = [_host(p) for p in params]  # once: the replica digest, then rank 0's manifest
-    buffers = [_host(b) for b in buffers]
+    params = [host_array(p) for p in params]  # once: the replica digest, then rank 0's manifest
+    buffers = [host_array(b) for b in buffers]
     replicated = optimizer.replicated_state() if isinstance(optimizer, OptimizerState) else []
     counters = np.array([step, epoch, cursor, time.time_ns(),
                          digest(params + buffers + replicated)], dtype=np.int64)
@@ -427,9 +422,9 @@ def _remove_stale(directory: str, rank: int, current: str) -> None:
 def _manifest(params: Sequence[Any], buffers: Sequence[Any], optimizer: Any, kind: str,
               every: np.ndarray, extra: Mapping[str, Any] | None,
               token: int) -> dict[str, np.ndarray]:
-    arrays = {f"params/{i}": _host(p) for i, p in enumerate(params)}
-    arrays.update({f"buffers/{i}": _host(b) for i, b in enumerate(buffers)})
-    arrays.update({f"extra/{k}": _host(v) for k, v in (extra or {}).items()})
+    arrays = {f"params/{i}": host_array(p) for i, p in enumerate(params)}
+    arrays.update({f"buffers/{i}": host_array(b) for i, b in enumerate(buffers)})
+    arrays.update({f"extra/{k}": host_array(v) for k, v in (extra or {}).items()})
     meta: dict[str, Any] = {
         "format": FORMAT, "world_size": len(every), "token": token, "optimizer": kind,
         "step": int(every[0, 0]), "epoch": int(every[0, 1]),

@@ -18,7 +18,9 @@ JSON string (``"PREFIX/tree"``), in which floats round-trip exactly.  These are 
         torch_state.load_state_arrays(opt, resumed.extra, "opt")
         torch_state.load_state_arrays(sched, resumed.extra, "sched")
 
-torch is looked up in ``sys.modules`` (a caller with a torch optimizer has imported it).
+State on a CUDA device is saved from a host copy; ``load_state_dict`` moves it back to the
+parameters' device, as torch does.  torch is looked up in ``sys.modules`` (a caller with a torch
+optimizer has imported it).
 """
 
 from __future__ import annotations
@@ -100,11 +102,8 @@ def _encode(value: Any, arrays: dict[str, np.ndarray], prefix: str, where: str) 
     """JSON for `value`; its tensors and arrays go into `arrays`, referred to by number."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
-            raise TypeError(f"{where} is a torch tensor on {value.device}: save state from "
-                            "the CPU")
-        try:
-            host = value.detach().numpy().copy()
+        try:  # a CUDA tensor: a host copy (torch's load_state_dict moves it back)
+            host = value.detach().cpu().numpy().copy()
         except (TypeError, RuntimeError) as error:
             raise TypeError(f"{where} is a torch tensor of dtype {value.dtype}, which NumPy "
                             f"cannot hold ({error})") from None

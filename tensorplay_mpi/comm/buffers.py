@@ -29,6 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..settings import settings
+from . import torch_cuda
 
 __all__ = ["check_device", "device_of", "is_device_array", "zeros_like", "copy_into",
            "check_disjoint", "misordered", "cuda_aware", "loaded_libmpi", "Staging"]
@@ -151,7 +152,10 @@ def check_disjoint(**named: list[Any]) -> None:
 # -- stream safety -----------------------------------------------------------------------------
 
 def synchronize(array: Any) -> None:
-    """Wait until the device work that produces `array` is done."""
+    """Wait until the device work that produces `array` is done: CuPy's current stream (or
+    the stream its ``__cuda_array_interface__`` names), and torch's current stream on its
+    device once torch CUDA tensors are in use (:mod:`.torch_cuda`)."""
+    torch_cuda.synchronize(_device_index(array))
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(array, cupy.ndarray):
         cupy.cuda.get_current_stream().synchronize()
@@ -159,6 +163,11 @@ def synchronize(array: Any) -> None:
     stream = getattr(array, "__cuda_array_interface__", {}).get("stream")
     if stream:
         synchronize_stream(stream)
+
+
+def _device_index(array: Any) -> int:
+    dlpack = getattr(array, "__dlpack_device__", None)
+    return int(dlpack()[1]) if dlpack is not None else 0
 
 
 def synchronize_stream(stream: int) -> None:
@@ -307,3 +316,4 @@ class Staging:
         for device, host in self._copy_back:
             device.set(host)
         self._copy_back.clear()
+        torch_cuda.hand_back()

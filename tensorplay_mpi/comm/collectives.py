@@ -7,8 +7,9 @@ issues, therefore starts a nonblocking operation here and completes it through a
 ``comm.Allreduce`` and friends), so that a joined rank's shadow always matches what an active
 rank issued.
 
-Buffers are NumPy or CuPy arrays, torch CPU tensors or objects exporting ``__dlpack__`` on the
-CPU; the last two go to MPI as NumPy views of their memory, without copies.
+Buffers are NumPy or CuPy arrays, torch tensors (CPU or CUDA) or objects exporting
+``__dlpack__`` on the CPU; the last two go to MPI as NumPy (CuPy) views of their memory, without
+copies.
 
 On a guarded communicator (one used by a Join or a library joinable) each start asks the
 :class:`~tensorplay_mpi.comm.guard.Guard` first (a broken communicator refuses; debug mode checks
@@ -95,8 +96,8 @@ def check_comm(comm: Any, name: str = "comm") -> MPI.Intracomm:
 
 
 def _buffer(buf: Any, name: str, what: str) -> Any:
-    """`buf` as MPI takes it: arrays as they are, torch CPU tensors and CPU DLPack exporters
-    as NumPy views of their memory (no copy).  Refuse what MPI would misread: a non-array, or
+    """`buf` as MPI takes it: arrays as they are, torch tensors and CPU DLPack exporters as
+    NumPy (CuPy) views of their memory (no copy).  Refuse what MPI would misread: a non-array, or
     an array not in C order (MPI reads and writes memory in order: a Fortran-ordered array
     would be scrambled, a strided one refused only after other ranks have started the
     operation)."""
@@ -105,7 +106,7 @@ def _buffer(buf: Any, name: str, what: str) -> Any:
     given, buf = buf, as_array(buf, f"{what}: {name}")
     if not hasattr(buf, "__array_interface__") and not hasattr(buf, "__cuda_array_interface__") \
             and not isinstance(buf, memoryview):
-        raise TypeError(f"{what}: {name} must be an array (NumPy, CuPy, a torch CPU tensor or "
+        raise TypeError(f"{what}: {name} must be an array (NumPy, CuPy, a torch tensor or "
                         f"a CPU DLPack exporter), got {type(buf).__name__}; convert it with "
                         "numpy.asarray")
     layout = misordered(buf)

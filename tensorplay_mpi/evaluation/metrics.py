@@ -38,7 +38,7 @@ from ..algorithms.joinable_comm import JoinableComm
 from ..comm.agreement import layout_digest, same_everywhere
 from ..comm.collectives import (check_comm, default_comm, default_timeout, iallgather, iallgatherv,
                                 iallreduce)
-from ..comm.tensors import as_array, is_tensor
+from ..comm.tensors import as_array, host_array, is_tensor
 from ..comm.work import Work
 
 __all__ = ["gather_all_tensors", "distributed_available", "sync_options", "SyncGroup",
@@ -303,7 +303,7 @@ def reduce_states(states: Mapping[str, Any], comm: Any = None, *,
         mean_loss = totals["loss"] / totals["count"]
     """
     group = group_of(comm)
-    arrays = {name: np.asarray(as_array(value, name)) for name, value in states.items()}
+    arrays = {name: host_array(value, name) for name, value in states.items()}
     for name, array in arrays.items():
         if array.dtype.kind not in "biuf":
             raise TypeError(f"reduce_states sums integer, bool and floating states; {name!r} "
@@ -346,8 +346,8 @@ def confusion_matrix(y_true: Any, y_pred: Any, num_classes: int) -> np.ndarray:
     ValueError
         If the labels differ in length or lie outside ``[0, num_classes)``.
     """
-    true = np.asarray(as_array(y_true, "y_true")).reshape(-1)
-    pred = np.asarray(as_array(y_pred, "y_pred")).reshape(-1)
+    true = host_array(y_true, "y_true").reshape(-1)
+    pred = host_array(y_pred, "y_pred").reshape(-1)
     if true.size != pred.size:
         raise ValueError(f"y_true and y_pred differ in length: {true.size} and {pred.size}")
     if num_classes < 1:

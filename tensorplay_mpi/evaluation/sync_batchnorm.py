@@ -2,7 +2,7 @@
 
 ``tensorplay_mpi.SyncBatchNorm`` (this module, imported on first use: ``import
 tensorplay_mpi`` does not import torch) is ``torch.nn.SyncBatchNorm`` over MPI for CPU
-tensors.  In training mode each forward pass reduces, over the ranks of its group, the
+and CUDA tensors.  In training mode each forward pass reduces, over the ranks of its group, the
 per-channel sums of the batch and of its squares (float64) and the number of samples (int64),
 two allreduces started together; the backward pass reduces the sums of the output gradient and
 of its product with the centred input (float64).  Normalisation, running statistics and the
@@ -42,7 +42,7 @@ from mpi4py import MPI
 
 from ..algorithms.joinable_comm import JoinableComm
 from ..algorithms.requests import running_join
-from ..comm.tensors import JOIN_CHECK
+from ..comm.tensors import JOIN_CHECK, host_array
 from .metrics import StatesDiffer, group_of, group_size, reduce_states
 
 __all__ = ["SyncBatchNorm"]
@@ -53,7 +53,7 @@ def _sums(group: Any, floats: torch.Tensor, count: int | None = None,
     """`floats` (float64) summed over the group's ranks, and `count` (int64) when given; with
     `check`, every rank's number of channels is compared first (see reduce_states): the
     forward pass checks, so the backward pass (the same lengths) need not."""
-    states: dict[str, Any] = {"sums": floats.numpy()}
+    states: dict[str, Any] = {"sums": host_array(floats, "sums")}  # 2C numbers: the host
     if count is not None:
         states["count"] = np.int64(count)
     try:
@@ -61,7 +61,8 @@ def _sums(group: Any, floats: torch.Tensor, count: int | None = None,
     except StatesDiffer:
         raise ValueError(f"SyncBatchNorm: ranks have different numbers of channels (this rank "
                          f"{floats.numel() // 2}): every rank must run the same model") from None
-    return torch.from_numpy(totals["sums"]), (None if count is None else int(totals["count"]))
+    return (torch.from_numpy(totals["sums"]).to(floats.device),
+            None if count is None else int(totals["count"]))
 
 
 def _by_channel(x: torch.Tensor) -> torch.Tensor:
@@ -187,7 +188,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     """Batch normalisation over the batches of every (active) rank, through MPI.
 
-    The arguments of ``torch.nn.SyncBatchNorm``; inputs of shape ``(N, C, ...)`` on the CPU.
+    The arguments of ``torch.nn.SyncBatchNorm``; inputs of shape ``(N, C, ...)`` on the CPU or
+    a CUDA device (the 2C sums of each pass go to MPI through the host).
     In training mode collective over `process_group`: every active rank runs each forward pass
     (and the backward pass, where the input needs a gradient), an empty batch included.
 

@@ -21,8 +21,11 @@ signal stops every rank at one step, the job saves the parameters, the buffers, 
 and the scheduler's state (:mod:`tensorplay_mpi.checkpoint.torch_state`) and exits 75; the same
 command resumes and ends with the digest of a run never stopped (parameters and buffers).
 ``--save-every STEPS`` also saves every STEPS steps through the Join's ``on_save``, so a run
-killed with SIGKILL resumes from the last one.  CPU only (``--device cuda`` exits with a
-message: torch GPU tensors are not supported, use ``examples.train --device cuda``).
+killed with SIGKILL resumes from the last one.
+
+``--device cuda`` trains on GPUs (torch CUDA tensors; CuPy installed, the ``cuda`` extra): each
+rank uses GPU ``node-local rank % GPUs visible``, so ranks share a GPU where there are fewer
+GPUs than ranks.  The output is the same, the digest that of the CUDA run.
 """
 
 from __future__ import annotations
@@ -45,12 +48,11 @@ from tensorplay_mpi.data import batches, shard, shard_sizes
 from tensorplay_mpi.examples.evaluation import validate
 
 from .train import (STOPPED, digits, epoch_done, header, init_mlp, make_parser, parse_args, report,
-                     stopped)
+                     stopped, use_gpu)
 
 MISSING_TORCH = ("the torch demo needs PyTorch: pip install 'tensorplay-mpi[torch,examples]', "
                  "or from a clone pip install -e '.[torch,examples]'")
-NO_CUDA = ("the torch demo runs on the CPU: tensorplay_mpi takes torch tensors on the CPU only; "
-           "run tensorplay_mpi.examples.train --device cuda for the GPU demo (CuPy)")
+NO_CUDA = "--device cuda: torch sees no CUDA GPU here (torch.cuda.is_available() is False)"
 LR = 0.01  # AdamW's default learning rate here (the NumPy demo's --lr is plain SGD's)
 MAX_NORM = 1.0  # clip_grad_norm_'s
 
@@ -100,26 +102,38 @@ def main(argv: list[str] | None = None) -> int:
                         help="the hidden layer's normalisation: BatchNorm1d (batch), "
                              "SyncBatchNorm through the Join's JoinableComm (sync), or none")
     args = parse_args(parser, argv)
-    if args.device != "cpu":
-        raise SystemExit(NO_CUDA)
     try:
         import torch
     except ImportError:
         raise SystemExit(MISSING_TORCH) from None
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(NO_CUDA)
     torch.set_num_threads(1)  # one core per rank, as the NumPy demo
     # from the start: a signal during the set-up rides in the first heartbeat
     with stop_on_signals() if args.checkpoint else contextlib.nullcontext():
         return run(args, MPI.COMM_WORLD)
 
 
+def torch_device(comm: MPI.Intracomm, device: str) -> Any:
+    """``cpu``, or this rank's GPU (``node-local rank % GPUs``), made current for torch and CuPy."""
+    import torch
+
+    if device == "cpu":
+        return torch.device("cpu")
+    index = use_gpu(comm).cuda.Device().id  # CuPy: the library's kernels on the same GPU
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
     """Train, report; the exit status (0, 1, or :data:`~tensorplay_mpi.examples.train.STOPPED`)."""
     import torch
 
+    device = torch_device(comm, args.device)
     (x_train, y_train), (x_test, y_test) = digits(args.seed)
     mine = shard(len(y_train), comm.rank, comm.size, args.skew)
     per_epoch = math.ceil(max(shard_sizes(len(y_train), comm.size, args.skew)) / args.batch_size)
-    model = make_model(x_train.shape[1], args.hidden, 10, args.seed, args.norm)
+    model = make_model(x_train.shape[1], args.hidden, 10, args.seed, args.norm).to(device)
     joinables: list[Any] = []
     if args.norm == "sync":  # the statistics are operations of a JoinableComm in the Join
         from tensorplay_mpi import SyncBatchNorm
@@ -128,7 +142,8 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         model = SyncBatchNorm.convert_sync_batchnorm(model, joinables[0])
     opt, sched, update = make_update(model, args.lr, args.epochs * per_epoch)
     dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(), update=update)
-    header(comm, args, len(y_train), len(y_test))
+    header(comm, args, len(y_train), len(y_test), f"; on {dp.join_device}" if
+           args.device == "cuda" else "")
     first, skip, carried = 1, 0, np.zeros(3)
     resumed = checkpoint.load(args.checkpoint, model.parameters(), buffers=model.buffers(),
                               comm=comm) if args.checkpoint else None
@@ -167,7 +182,8 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
             for idx in batches(mine, args.batch_size, rng)[done:]:
                 if join.stopped:  # every rank leaves at this same iteration
                     break
-                x, y = torch.from_numpy(x_train[idx]), torch.from_numpy(y_train[idx])
+                x = torch.from_numpy(x_train[idx]).to(device)
+                y = torch.from_numpy(y_train[idx]).to(device)
                 model.zero_grad()
                 with dp.step():  # on exit: averaged gradients, then update() on every rank
                     logits, loss = loss_of(model, x, y)
@@ -184,8 +200,8 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
             return STOPPED
         model.eval()  # BatchNorm: the running statistics, no collective
         with torch.no_grad():
-            validation = validate(comm, lambda x: model(torch.from_numpy(x)), x_test, y_test,
-                                  args.batch_size, args.skew, torch_metrics=True)
+            validation = validate(comm, lambda x: model(torch.from_numpy(x).to(device)).cpu(),
+                                  x_test, y_test, args.batch_size, args.skew, torch_metrics=True)
         epoch_done(comm, epoch, args.epochs, totals, validation)
     if args.checkpoint and first <= args.epochs:  # so that running it again only reports
         save(args.epochs * per_epoch, args.epochs + 1, 0, np.zeros(3))
@@ -193,9 +209,9 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
 
     model.eval()
     with torch.no_grad():
-        predicted = model(torch.from_numpy(x_test)).argmax(1).numpy()
+        predicted = model(torch.from_numpy(x_test).to(device)).argmax(1).cpu().numpy()
     accuracy = float((predicted == y_test).mean())
-    state = [t.detach().numpy() for t in model.state_dict().values()]  # the digest: buffers too
+    state = [t.detach().cpu().numpy() for t in model.state_dict().values()]  # buffers too
     return report(comm, args, state, accuracy, elapsed, len(y_test))
 
 

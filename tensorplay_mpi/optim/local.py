@@ -1,8 +1,9 @@
 """Local optimizers over NumPy (and CuPy) arrays: SGD, Adam, AdamW — Joinables beside DataParallel.
 
 Each updates `params` in place from the bound `grads` (for example ``dp.grads``) on
-:meth:`Optimizer.step`.  Both may be torch CPU tensors (``model.parameters()``, and ``dp.grads``
-of a DataParallel over them): the optimizer works on NumPy views of their memory.  The rules
+:meth:`Optimizer.step`.  Both may be torch tensors (``model.parameters()``, and ``dp.grads``
+of a DataParallel over them): the optimizer works on NumPy views of their memory, or on CUDA
+the CuPy views (its fused kernels).  The rules
 are PyTorch's (no dampening, no amsgrad), which are the textbook ones; the arithmetic lives in
 :mod:`tensorplay_mpi.optim.rules`, shared with
 :class:`~tensorplay_mpi.optim.ZeroRedundancyOptimizer`.  State arrays are allocated at
@@ -24,6 +25,7 @@ from mpi4py import MPI
 from ..algorithms.join import Join
 from ..comm.buffers import device_of, zeros_like
 from ..comm.collectives import check_comm
+from ..comm import torch_cuda
 from ..comm.tensors import as_arrays
 from ..process import set_up
 from . import rules
@@ -130,6 +132,7 @@ class Optimizer(LinkedOptimizer, OptimizerState):
             if every or used[i]:
                 self.param_steps[i] += 1
                 self._update(i, g.reshape(-1), hyper)
+        torch_cuda.hand_back()  # torch CUDA parameters: torch's stream after the kernels
 
     def _hyper(self, step: int) -> dict[str, Any]:
         """The hyperparameters of step number `step`, callables evaluated, validated."""

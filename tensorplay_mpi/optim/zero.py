@@ -22,6 +22,7 @@ from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join
 from ..comm.buffers import check_disjoint, device_of, zeros_like
 from ..comm.collectives import Work, ibcast, irecv, isend
+from ..comm import torch_cuda
 from ..comm.tensors import as_arrays
 from .clip import clip_grad_norm
 from .linked import LinkedOptimizer
@@ -60,7 +61,7 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
 
     Parameters
     ----------
-    params, grads : sequence of arrays or torch CPU tensors
+    params, grads : sequence of arrays or torch tensors (CPU or CUDA)
         The parameters (updated in place on every rank) and their gradients (for example
         ``dp.grads``, which hold the average after ``dp.step()``).
     optimizer_class : type, default Adam
@@ -187,6 +188,7 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
             if owner != self.rank:
                 for packed, param in views:
                     param[...] = packed
+        torch_cuda.hand_back()  # torch CUDA parameters: torch's stream after the copies
 
     @property
     def state_nbytes(self) -> int:

@@ -42,6 +42,7 @@ from mpi4py import MPI
 
 from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join, JoinHook
+from ..comm import torch_cuda
 from ..comm.buffers import check_disjoint, device_of, is_device_array
 from ..comm.collectives import Work, iallreduce, ibcast
 from ..comm.tensors import JOIN_CHECK, as_array, as_arrays, is_tensor, like
@@ -64,7 +65,7 @@ def _check_arrays(given: Any, name: str, floating: bool) -> tuple[list[Any], lis
     arrays = as_arrays(given, name)
     for i, array in enumerate(arrays):
         if not (isinstance(array, np.ndarray) or is_device_array(array)):
-            raise TypeError(f"{name}[{i}] must be a NumPy or CuPy array or a torch CPU tensor, "
+            raise TypeError(f"{name}[{i}] must be a NumPy or CuPy array or a torch tensor, "
                             f"got {type(array).__name__}")
         if floating and array.dtype not in (np.float32, np.float64):
             raise TypeError(f"{name}[{i}] must be float32 or float64, got {array.dtype}")
@@ -178,8 +179,8 @@ class DataParallel(GuardedJoinable):
     Parameters
     ----------
     params : sequence of arrays or torch tensors
-        The trained arrays (NumPy or CuPy, all on one device, or torch CPU tensors such as
-        ``model.parameters()``), owned and updated in place by the caller; writeable,
+        The trained arrays (NumPy or CuPy, or torch tensors such as ``model.parameters()``,
+        on the CPU or CUDA; all on one device), owned and updated in place by the caller; writeable,
         C-contiguous float32 or float64 (one bucket set per dtype).  Buckets, zeroing and
         averaging stay on that device.  A torch parameter that requires gradients gets
         ``p.grad`` bound to its bucket view, so that ``loss.backward()`` writes there; the
@@ -510,6 +511,7 @@ class DataParallel(GuardedJoinable):
 
         With every parameter used, an active rank's ``p.grad`` are its bucket views already
         (bound at the step's end), so only a joined rank publishes."""
+        torch_cuda.hand_back()  # torch CUDA gradients: torch's stream after the averaging
         self._unsynced = not step.syncs  # agreed: the same on every rank
         if not step.syncs:
             if self._torch:

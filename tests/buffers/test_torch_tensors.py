@@ -36,7 +36,7 @@ def test_a_parameter_is_viewed_without_a_copy_and_wrapped_back():
 
 @pytest.mark.parametrize("tensor, match", [
     (torch.zeros(2, device="meta"), "torch tensor on meta: tensorplay_mpi takes torch tensors "
-                                    "on the CPU only"),
+                                    "on the CPU and on CUDA devices"),
     (torch.zeros(2, dtype=torch.bfloat16), "dtype torch.bfloat16 has no NumPy view"),
 ])
 def test_tensors_without_a_numpy_view_are_a_type_error_everywhere(tensor, match):

@@ -12,10 +12,10 @@ ended with the reference digest), ``fresh`` (killed before the first save: the r
 over, reference digest), ``finished`` (the run completed before the kill), ``WRONG`` (another
 digest, a failed rerun or a hang).
 
-``--demo torch --norm batch`` (or ``sync``) runs the trials on the torch demo
-(``examples.train_torch``) with a BatchNorm (or SyncBatchNorm) layer, whose digest covers the
-running statistics: a periodic save while a rank has joined must hold the active ranks'
-buffers.  It has no resize trials (the torch demo resumes at the same world size).
+``--device cuda`` runs them on GPUs.  ``--demo torch --norm batch`` (or ``sync``) runs the trials
+on the torch demo (``examples.train_torch``) with a BatchNorm (or SyncBatchNorm) layer, whose
+digest covers the running statistics: a periodic save while a rank has joined must hold the
+active ranks' buffers.  It has no resize trials (the torch demo resumes at the same world size).
 
 Each ``--resize N:M`` trial stops the demo at N ranks with SIGUSR1 while it trains and resumes
 it at M ranks: the rerun must complete and, when the stop came mid-epoch, print that the
@@ -119,8 +119,11 @@ def main():
     parser.add_argument("--demo", choices=["numpy", "torch"], default="numpy")
     parser.add_argument("--norm", choices=["batch", "sync", "none"], default="batch",
                         help="with --demo torch: the model's normalisation layer")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="the demo's --device (cuda: torch CUDA tensors or CuPy arrays)")
     options = parser.parse_args()
     demo = DEMO if options.demo == "numpy" else [*TORCH_DEMO, "--norm", options.norm]
+    demo = [*demo, "--device", options.device]
     if options.demo == "torch":
         options.resize = []
     wrong, references = 0, {}

@@ -165,3 +165,33 @@ def test_demo_on_gpus_is_accurate_and_identical_on_every_rank():
     result = run_mpi(2, ["-m", "tensorplay_mpi.examples.train", "--device", "cuda"], timeout=300)
     check_clean_exit(result)
     assert "on cuda:" in result.stdout and "identical on all 2 ranks: yes" in result.stdout
+
+
+def test_the_torch_demo_on_cuda_without_a_gpu_says_so():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: test_torch_demo_on_gpus covers it")
+    result = run_mpi(1, ["-m", "tensorplay_mpi.examples.train_torch", "--device", "cuda"],
+                     timeout=120)
+    assert result.returncode != 0
+    assert "--device cuda: torch sees no CUDA GPU here" in result.stderr, result.stderr
+
+
+def _torch_gpus():
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if _gpus() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec")
+@pytest.mark.skipif(not _torch_gpus(), reason="no CUDA GPU with torch and CuPy")
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_torch_demo_on_gpus_is_accurate_and_identical_on_every_rank(nprocs):
+    result = run_mpi(nprocs, ["-m", "tensorplay_mpi.examples.train_torch", "--device", "cuda",
+                              "--epochs", "10", "--min-accuracy", "0.9"], timeout=300)
+    check_clean_exit(result)  # exit 0: accurate enough and identical parameters
+    assert "on cuda:" in result.stdout
+    assert f"parameters identical on all {nprocs} ranks: yes" in result.stdout
