@@ -2,7 +2,8 @@
 
     python benchmarks/summary.py benchmarks/results
 
-Reads ``optim.json`` (the optimizer steps on the NumPy rules too: the fused path forced off),
+Reads ``dp-2-ranks.json`` (DataParallel: a Join's cost, the reduction against raw MPI),
+``optim.json`` (the optimizer steps on the NumPy rules too: the fused path forced off),
 ``optim-fresh.json`` when ``make bench-fresh`` wrote it (a fresh default install),
 ``jc-2-ranks.json`` (JoinableComm against blocking mpi4py), ``elastic-2-ranks.json`` (an
 elastic Join against a plain one) and ``registry-2-ranks.json`` (the registry against raw
@@ -15,6 +16,12 @@ import sys
 from pathlib import Path
 
 OPTIMIZERS = {"adam": 1.3, "adamw": 1.3, "sgd_momentum": 1.2}
+DP_FIGURES = {"join": "a step in a Join / without, even inputs",
+              "reduce": "the reduction / a raw in-place Allreduce",
+              "reduce_vs_manual": "the reduction / a raw Allreduce and the division",
+              "overlap": "a step with mark_ready / without",
+              "shadow": "a joined rank's round / the active ranks' step",
+              "debug": "debug mode / without"}
 
 
 def rows(results: Path) -> list[tuple[str, float, float | None]]:
@@ -32,6 +39,16 @@ def rows(results: Path) -> list[tuple[str, float, float | None]]:
                     fastest = optim[name]["ratio_of_fastest"]
                     out.append((f"{step} / memory floor{kind} ({label}; fastest {fastest:.2f})",
                                 optim[name]["ratio"], goal))
+    path = results / "dp-2-ranks.json"
+    if path.exists():
+        dp = json.loads(path.read_text())
+        for size, row in dp["sizes"].items():
+            for figure, result in row.items():
+                if "ratio" not in result:  # the bucket layout, not a figure
+                    continue
+                out.append((f"DataParallel {int(size) / 1e6:g}M float32, 2 ranks: "
+                            f"{DP_FIGURES.get(figure, figure)}", result["ratio"],
+                            dp["targets"].get(figure)))
     path = results / "jc-2-ranks.json"
     if path.exists():
         jc = json.loads(path.read_text())
@@ -57,7 +74,7 @@ def main() -> None:
     for figure, ratio, target in rows(results):
         verdict = "" if target is None else (" ok" if ratio <= target else " MISSED")
         goal = "" if target is None else f" (target <= {target})"
-        print(f"{figure:80s} {ratio:6.2f}{goal}{verdict}")
+        print(f"{figure:84s} {ratio:6.3f}{goal}{verdict}")
 
 
 if __name__ == "__main__":

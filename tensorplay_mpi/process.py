@@ -180,7 +180,7 @@ STATE: tuple[State, ...] = (
     State("the CUDA-awareness decision (cached)", "comm/buffers.py",
           "tensorplay_mpi.comm.buffers:cuda_aware.cache_clear", scope="settings"),
     State("the devices of the torch CUDA tensors given (torch's streams are then synchronised)",
-          "comm/torch_cuda.py", "tensorplay_mpi.comm.torch_cuda:_devices.clear"),
+          "comm/torch_cuda.py", "", "kept: the library's arrays still view those tensors"),
     State("the ranks on this node, the BLAS thread decision", "threads.py",
           "tensorplay_mpi.threads:forget_decision"),
     State("the registry of pending operations, its progress threshold, its sweep count",

@@ -66,11 +66,11 @@ def use_mode(monkeypatch, aware):
 # -- torch CUDA tensors, stood in for by CPU tensors ------------------------------------------
 
 class TorchCounters:
-    stream_syncs = hand_backs = 0
+    stream_syncs = takes = hand_backs = 0
 
     @classmethod
     def reset(cls):
-        cls.stream_syncs = cls.hand_backs = 0
+        cls.stream_syncs = cls.takes = cls.hand_backs = 0
 
 
 class FakeCuda:
@@ -117,8 +117,9 @@ class FakeDeviceArray1(FakeDeviceArray):
 
 def use_torch_cuda_standin(monkeypatch, aware=True):
     """Make :mod:`tensorplay_mpi.comm.torch_cuda` take fake CUDA tensors (:func:`fake_cuda`):
-    their "CuPy" views are :class:`FakeDeviceArray` s over the same memory, torch's stream
-    synchronisations and hand-backs are counted; the device path is CUDA-aware (`aware`) or
+    their "CuPy" views are :class:`FakeDeviceArray` s over the same memory (a host array comes
+    back as a CPU tensor, as from torch), torch's stream synchronisations and the orderings
+    of the two streams are counted; the device path is CUDA-aware (`aware`) or
     staged, as :func:`use_mode`."""
     import torch
 
@@ -129,20 +130,25 @@ def use_torch_cuda_standin(monkeypatch, aware=True):
         return array.view(FakeDeviceArray1 if tensor.index == 1 else FakeDeviceArray)
 
     def to_tensor(array):
+        if type(array) is np.ndarray:  # host memory: what torch.from_dlpack gives for it
+            return torch.from_numpy(array)
         index = array.__dlpack_device__()[1]
         return fake_cuda(torch.from_numpy(array.view(np.ndarray)), index)
 
     def sync(device):
         TorchCounters.stream_syncs += 1
 
-    def hand_back():
-        TorchCounters.hand_backs += 1
+    def order(device, torch_first):
+        if torch_first:
+            TorchCounters.takes += 1
+        else:
+            TorchCounters.hand_backs += 1
 
     use_mode(monkeypatch, aware)
     monkeypatch.setattr(torch_cuda, "_on_cuda", lambda tensor: isinstance(tensor, FakeCuda))
     monkeypatch.setattr(torch_cuda, "_cupy_from_torch", to_device_array)
     monkeypatch.setattr(torch_cuda, "_torch_from_cupy", to_tensor)
     monkeypatch.setattr(torch_cuda, "_synchronize_torch_stream", sync)
-    monkeypatch.setattr(torch_cuda, "_order_torch_after_cupy", hand_back)
+    monkeypatch.setattr(torch_cuda, "_order", order)
     monkeypatch.setattr(torch_cuda, "_devices", set())
     TorchCounters.reset()

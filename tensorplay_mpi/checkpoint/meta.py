@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..comm.buffers import is_device_array
+from ..comm.tensors import host_array
 
 __all__ = ["SAVABLE_KINDS", "check_savable", "encode_config", "check_config"]
 
@@ -46,7 +46,7 @@ def check_savable(params: Sequence[Any], buffers: Sequence[Any],
         if not isinstance(key, str):
             raise TypeError(f"extra keys must be strings, got {type(key).__name__} {key!r}")
         try:
-            array = value.get() if is_device_array(value) else np.asarray(value)
+            array = host_array(value)  # a device array's or torch CUDA tensor's host copy
         except (TypeError, ValueError) as failed:  # ragged sequences, say
             raise TypeError(f"cannot save extra[{key!r}] ({type(value).__name__}) as an array: "
                             f"{failed}") from None

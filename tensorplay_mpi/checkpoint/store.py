@@ -29,6 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.requests import running_join
+from ..comm import torch_cuda
 from ..comm.agreement import agree
 from ..comm.buffers import is_device_array
 from ..comm.collectives import check_comm, default_comm, iallgather, resolve_timeout
@@ -96,13 +97,21 @@ def _refuse_inside_join(what: str) -> None:
 def _begin(what: str, comm: MPI.Intracomm | None, timeout: float | None,
            params: Sequence[Any], buffers: Sequence[Any]) -> tuple:
     """What `save` and `load` (`what`) start with: refused inside a running Join, the
-    communicator checked and set up, the deadline, the arrays (torch tensors: NumPy views)."""
+    communicator checked and set up, the deadline, the arrays (torch tensors: NumPy or CuPy
+    views), which every rank learns it could take (a tensor one rank cannot view raises on
+    every rank)."""
     _refuse_inside_join(what)
     comm = check_comm(default_comm() if comm is None else comm)
     timeout = resolve_timeout(timeout)
     set_up(comm)
-    arrays = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
     Guard.attach(comm)
+    arrays: tuple[list[Any], list[Any]] = ([], [])
+    error: BaseException | None = None
+    try:
+        arrays = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
+    except (TypeError, ValueError) as refused:
+        error = refused
+    agree_or_raise(comm, error, f"checkpoint {what} (the arrays)", timeout)
     return comm, timeout, *arrays
 
 
@@ -503,10 +512,12 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     if (tokens != tokens[0]).any():
         raise ValueError(f"rank {rank}: ranks read different checkpoints from {path} (it was "
                          "replaced while loading, or the ranks do not share that file system)")
+    torch_cuda.take()  # torch CUDA tensors: written after torch's pending kernels
     for i, p in enumerate(params):
         _copy_into(p, arrays[f"params/{i}"])
     for i, b in enumerate(buffers):
         _copy_into(b, arrays[f"buffers/{i}"])
+    torch_cuda.hand_back()
     if state is not None and optimizer is not None:
         if shard:
             optimizer.load_shard_state_dict(state)

@@ -75,9 +75,11 @@ def zeros_like(array: Any, size: int | None = None, dtype: Any = None) -> Any:
     if type(array) is np.ndarray and size is None and dtype is None:
         return np.zeros(array.shape, array.dtype)
     cupy = sys.modules.get("cupy")
-    xp = cupy if cupy is not None and isinstance(array, cupy.ndarray) else np
     shape = array.shape if size is None else (size,)
-    return xp.zeros_like(array, shape=shape, dtype=dtype or array.dtype)
+    if cupy is not None and isinstance(array, cupy.ndarray):
+        with array.device:  # CuPy allocates on its current device, not the array's
+            return cupy.zeros_like(array, shape=shape, dtype=dtype or array.dtype)
+    return np.zeros_like(array, shape=shape, dtype=dtype or array.dtype)
 
 
 def copy_into(dst: Any, src: Any) -> None:

@@ -43,6 +43,7 @@ __all__ = ["MAX_BYTES", "PersistentCollectives", "supported", "enabled", "free_a
 MAX_BYTES = 4096
 """The largest array (in bytes) that goes through a persistent collective."""
 _CACHED = 16  # persistent requests kept per communicator, least recently used evicted
+_SPINS = 64  # tests of a started request before it becomes a Work (a few microseconds)
 _live: "weakref.WeakSet[PersistentCollectives]" = weakref.WeakSet()  # freed at exit
 
 
@@ -173,8 +174,15 @@ class PersistentCollectives:
         """Start `request` and wait for it as every library collective (deadline, failure
         notices); a request that has not completed at once becomes a Work."""
         request.Start()
-        if not request.Test():  # on failure the registry owns it, and it is never restarted
-            Work(request, what, keep, None, self._guard).wait_or_abort(self.timeout)
+        try:
+            for _ in range(_SPINS):  # a small collective completes within a few tests
+                if request.Test():
+                    return
+        except MPI.Exception:  # failed: the registry owns it (as below), never restarted
+            Work(request, what, keep, None, self._guard)
+            raise
+        # on failure the registry owns it, and it is never restarted
+        Work(request, what, keep, None, self._guard).wait_or_abort(self.timeout)
 
 
 def free_all() -> None:

@@ -6,21 +6,30 @@ staging, the fused update kernels.  What the library hands back for it (``dp.gra
 JoinableComm result) is the torch tensor sharing the CuPy array's memory (``torch.from_dlpack``).
 Neither direction copies.
 
+Devices.  CuPy allocates and runs on its current device: the first view of a tensor makes the
+tensor's device CuPy's current one (a program that calls only ``torch.cuda.set_device`` gets
+its buckets on that GPU, not on GPU 0).
+
 Streams.  torch computes on its current stream, the library's kernels run on CuPy's current
 stream; in a program that chooses no stream both are the CUDA default stream.  Once a torch
 CUDA tensor has been given to the library:
 
 - before MPI touches a device buffer, torch's current stream on that device is synchronised
   (as CuPy's is): a gradient that backward() is still writing is never sent;
-- when a library call hands device memory back (a step's end, a completed operation), torch's
-  current stream is made to wait for CuPy's (an event, no host wait; nothing when they are
-  the same stream): torch's next kernel sees what the library wrote.
+- before a library kernel reads what torch wrote outside that path (an optimizer's update, a
+  checkpoint load, a per-sample weighting), CuPy's stream is made to wait for torch's
+  (:func:`take`);
+- when a library call hands device memory back (a step's end, a completed operation, an
+  optimizer step, a load), torch's current stream is made to wait for CuPy's
+  (:func:`hand_back`).
+
+Both are events, without a host wait, and nothing when the two are the same stream.
 
 torch and CuPy are looked up in ``sys.modules`` (a program holding a torch CUDA tensor has
 imported torch); CuPy is imported on the first torch CUDA tensor, and its absence is a
-``TypeError`` naming the package to install.  The four functions that touch CUDA are
-module-level so that the CPU tests can put a stand-in in their place, with the one that says
-whether a tensor is on a CUDA device.
+``TypeError`` naming the package to install.  The functions that touch CUDA (the last ones
+below) are module-level so that the CPU tests can put a stand-in in their place, with the one
+that says whether a tensor is on a CUDA device.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["is_cuda_tensor", "device_view", "tensor_view", "synchronize", "hand_back", "in_use"]
+__all__ = ["is_cuda_tensor", "device_view", "tensor_view", "synchronize", "take", "hand_back",
+           "in_use"]
 
 MISSING_CUPY = ("tensorplay_mpi carries torch CUDA tensors through CuPy (zero-copy DLPack "
                 "views): install the CuPy wheel of your CUDA version (pip install "
@@ -80,11 +90,18 @@ def synchronize(device: int) -> None:
         _synchronize_torch_stream(device)
 
 
+def take() -> None:
+    """Order CuPy's current stream after torch's on each device in use: the library's next
+    kernels see what torch's wrote."""
+    for device in _devices:
+        _order(device, torch_first=True)
+
+
 def hand_back() -> None:
-    """Order torch's current stream after CuPy's, once torch CUDA is in use: torch's next
+    """Order torch's current stream after CuPy's on each device in use: torch's next
     kernels see what the library's kernels and copies wrote."""
-    if _devices:
-        _order_torch_after_cupy()
+    for device in _devices:
+        _order(device, torch_first=False)
 
 
 # -- what touches CUDA (the CPU tests replace these) ---------------------------------------------
@@ -96,6 +113,7 @@ def _on_cuda(tensor: Any) -> bool:
 def _cupy_from_torch(tensor: Any) -> Any:
     import cupy
 
+    cupy.cuda.Device(tensor.get_device()).use()  # the library's kernels on the tensor's GPU
     return cupy.from_dlpack(tensor.detach())
 
 
@@ -107,9 +125,16 @@ def _synchronize_torch_stream(device: int) -> None:
     sys.modules["torch"].cuda.current_stream(device).synchronize()
 
 
-def _order_torch_after_cupy() -> None:
+def _order(device: int, torch_first: bool) -> None:
+    """On `device`: CuPy's current stream waits for torch's (`torch_first`), or the reverse."""
     torch, cupy = sys.modules["torch"], sys.modules["cupy"]
-    ours = cupy.cuda.get_current_stream()
-    theirs = torch.cuda.current_stream()
-    if theirs.cuda_stream != ours.ptr:
-        theirs.wait_stream(torch.cuda.ExternalStream(ours.ptr))
+    with cupy.cuda.Device(device):
+        ours = cupy.cuda.get_current_stream()
+    theirs = torch.cuda.current_stream(device)
+    if theirs.cuda_stream == ours.ptr:
+        return
+    ours_in_torch = torch.cuda.ExternalStream(ours.ptr, device=device)
+    if torch_first:
+        ours_in_torch.wait_stream(theirs)
+    else:
+        theirs.wait_stream(ours_in_torch)

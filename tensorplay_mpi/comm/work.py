@@ -38,6 +38,7 @@ __all__ = ["Work", "Poller", "outstanding_requests", "progress_pending", "sweep_
 # core after every test, which costs nothing when no other process wants it.
 _SPIN_S = 1e-3
 _SPIN_BYTES_PER_S = 2.5e8
+_QUICK_TESTS = 8  # tests without yielding first: a small collective is done within a few
 _MIN_SLEEP_S = 1e-5
 _MAX_SLEEP_S = 2.5e-4
 _POLL_EVERY = 64  # tests between two looks for failure notices while spinning
@@ -203,8 +204,9 @@ class Work:
         """Test until completion (True) or until `timeout` s pass (False); never raises a
         timeout.  `poll` False skips failure notices and stall reports (the failure protocol's
         own waits).  A wait longer than ``$TENSORPLAY_MPI_STALL`` s is reported once."""
-        if self.is_completed():
-            return True
+        for _ in range(_QUICK_TESTS):
+            if self.is_completed():
+                return True
         poller = self.poller if poll else None
         start = time.monotonic()
         stall = settings().stall if poll else 0.0

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import sys
 import time
 from typing import Any
@@ -120,6 +121,10 @@ def torch_device(comm: MPI.Intracomm, device: str) -> Any:
 
     if device == "cpu":
         return torch.device("cpu")
+    # bitwise reproducible on the GPU (a resumed run ends with the digest of one never
+    # stopped): cuBLAS's deterministic workspace, set before its first handle
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
     index = use_gpu(comm).cuda.Device().id  # CuPy: the library's kernels on the same GPU
     torch.cuda.set_device(index)
     return torch.device("cuda", index)

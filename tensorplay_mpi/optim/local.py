@@ -123,6 +123,7 @@ class Optimizer(LinkedOptimizer, OptimizerState):
         """
         if used is None:
             used = self._used()
+        torch_cuda.take()  # torch CUDA tensors: the kernels after torch's writes (a clip, say)
         hyper = self._hyper(self.steps + 1)
         self.steps += 1
         if hyper.get("max_grad_norm") is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +35,16 @@ class Bucket:
         self.flags = self.flat[n:n + m]  # the "used" flags, summed with the gradients
         self.samples = self.flat[n + m:]  # [samples, 1] per rank averaging per sample
         self.all_used = True  # every member was used by some rank in the last step
+
+    def divide(self, divisor: float) -> None:
+        """``flat /= divisor``, bitwise: by a power of two through its reciprocal (exact, and
+        a multiply runs two to three times faster than a divide in NumPy), by 1 not at all."""
+        if divisor == 1:
+            return
+        if math.frexp(divisor)[0] == 0.5:  # a power of two: x * (1 / d) == x / d exactly
+            self.flat *= 1.0 / divisor
+        else:
+            self.flat /= divisor
 
     def read_flags(self) -> np.ndarray:
         """The flags as a NumPy array (copied to the host from a device bucket)."""
@@ -98,8 +110,10 @@ def make_buckets(params: list[np.ndarray], cap_bytes: float,
     return buckets, bucket_of, [views[i] for i in range(len(params))]
 
 
-def _no_gradient(param: Any) -> np.ndarray:
-    """A frozen parameter's gradient: zeros of its shape in one element of memory (frozen
-    parameters are torch parameters, so on the CPU; torch refuses read-only arrays)."""
-    return np.lib.stride_tricks.as_strided(np.zeros(1, param.dtype), param.shape,
-                                           (0,) * param.ndim)
+def _no_gradient(param: Any) -> Any:
+    """A frozen parameter's gradient: zeros of its shape in one element of memory, on its
+    device (torch refuses read-only arrays, so the view is writeable)."""
+    zero, strides = zeros_like(param, 1), (0,) * param.ndim
+    if isinstance(zero, np.ndarray):
+        return np.lib.stride_tricks.as_strided(zero, param.shape, strides, subok=True)
+    return sys.modules["cupy"].lib.stride_tricks.as_strided(zero, param.shape, strides)

@@ -398,6 +398,7 @@ class DataParallel(GuardedJoinable):
         """Set every gradient to zero (for example before accumulating with no_sync)."""
         for bucket in self._buckets:
             bucket.flat.fill(0)
+        torch_cuda.hand_back()  # torch CUDA gradients: backward() accumulates after the fill
 
     def step(self, micro_batches: int = 1, unused: Sequence[int] = (),
              samples: int | None = None) -> contextlib.AbstractContextManager["DataParallel"]:
@@ -672,6 +673,7 @@ class DataParallel(GuardedJoinable):
             else:
                 self._set_flags(bucket)
             if step.samples is not None:  # this rank's mean, weighted by its samples
+                torch_cuda.take()  # after backward()'s writes on torch's stream
                 bucket.grads *= step.samples  # (the slots are zero otherwise: see _divisor)
                 bucket.samples[0], bucket.samples[1] = step.samples, 1
         if shadow:  # a joined rank sends zeros, in place as the active ranks (see iallreduce)
@@ -707,7 +709,7 @@ class DataParallel(GuardedJoinable):
             self._wait(works[k])
             if len(works) == k + 1 and k < last:
                 self._start_bucket(step, k + 1, shadow)  # posted before this bucket's division
-            bucket.flat /= self._divisor(step, bucket)
+            bucket.divide(self._divisor(step, bucket))
             if bucket.flags.all():  # every member used by some rank: the usual case (on a
                 if not bucket.all_used:  # device, read there: no copy to the host)
                     self.used[bucket.index] = bucket.all_used = True

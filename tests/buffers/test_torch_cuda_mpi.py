@@ -14,7 +14,8 @@ from helpers import gathered_equal
 
 from tensorplay_mpi import (Adam, DataParallel, Join, JoinableComm, ZeroRedundancyOptimizer,
                             checkpoint)
-from tensorplay_mpi.testing import assert_all, inputs_of, reset_settings
+from tensorplay_mpi.comm import torch_cuda
+from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere, reset_settings
 
 torch = pytest.importorskip("torch")
 
@@ -135,6 +136,9 @@ def test_library_optimizers_on_device_tensors_equal_the_host_run(comm, place, ze
     got = run(place)
     assert_all(gathered_equal(got, comm), "parameters differ across ranks")
     assert_all(not close(got, host), close(got, host))
+    if stand_in_used(place) and max(inputs):  # each update after torch's writes, and before
+        assert_all(TorchCounters.takes > 0 and TorchCounters.hand_backs > 0,  # torch's next
+                   f"{TorchCounters.takes} takes, {TorchCounters.hand_backs} hand-backs")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -199,10 +203,15 @@ def test_a_device_model_and_its_optimizer_resume_bitwise(comm, place, tmp_path_f
         opt.zero_grad()
         model(x).square().sum().backward()
         opt.step()
+    extra = {**torch_state.state_arrays(opt, "opt"), "ids": place(torch.arange(3))}
     checkpoint.save(directory, model.parameters(), buffers=model.buffers(), step=2,
-                    extra=torch_state.state_arrays(opt, "opt"), comm=comm)
+                    extra=extra, comm=comm)
     fresh, fresh_opt = made()
+    TorchCounters.reset()
     resumed = checkpoint.load(directory, fresh.parameters(), buffers=fresh.buffers(), comm=comm)
+    if stand_in_used(place):  # written after torch's pending kernels, and before its next
+        assert_all(TorchCounters.takes == 1 and TorchCounters.hand_backs == 1,
+                   f"{TorchCounters.takes} takes, {TorchCounters.hand_backs} hand-backs")
     torch_state.load_state_arrays(fresh_opt, resumed.extra, "opt")
 
     def flat(m, o):
@@ -213,5 +222,24 @@ def test_a_device_model_and_its_optimizer_resume_bitwise(comm, place, tmp_path_f
     same = all(np.array_equal(a, b) for a, b in zip(flat(model, opt), flat(fresh, fresh_opt)))
     on_device = stand_in_used(place) or all(  # torch moves the state to the parameters'
         v.is_cuda for s in fresh_opt.state.values() for v in s.values() if v.dim())  # device
-    assert_all(same and on_device and resumed.step == 2,
+    assert_all(same and on_device and resumed.step == 2
+               and resumed.extra["ids"].tolist() == [0, 1, 2],
                f"resumed bitwise: {same}; optimizer state on the device: {on_device}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_a_tensor_one_rank_cannot_view_refuses_a_checkpoint_on_every_rank(
+        comm, monkeypatch, tmp_path_factory, call):
+    use_torch_cuda_standin(monkeypatch)
+    directory = comm.bcast(str(tmp_path_factory.mktemp("ckpt")) if comm.rank == 0 else None)
+    params = [fake_cuda(torch.zeros(3, dtype=torch.float64))]
+    if call == "load":
+        checkpoint.save(directory, params, comm=comm)
+    if comm.rank == comm.size - 1:  # this rank has no CuPy
+
+        def without_cupy(tensor):
+            raise ImportError("No module named 'cupy'")
+        monkeypatch.setattr(torch_cuda, "_cupy_from_torch", without_cupy)
+    with raises_everywhere(TypeError, match="CuPy"):
+        getattr(checkpoint, call)(directory, params, comm=comm)

@@ -91,8 +91,9 @@ def inject(monkeypatch, comm, point, ranks):
 
 
 POINTS = ["shard write", "directory fsync after the rename", "interrupt after agreement 1",
-          "interrupt after agreement 2", "interrupt after agreement 3"]
-LAST_AGREEMENT = 3  # arguments, shard and manifest contents, the manifest (the commit)
+          "interrupt after agreement 2", "interrupt after agreement 3",
+          "interrupt after agreement 4"]
+LAST_AGREEMENT = 4  # the arrays, arguments, shard and manifest contents, the manifest (commit)
 
 
 @pytest.mark.mpi

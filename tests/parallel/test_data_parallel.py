@@ -30,6 +30,21 @@ def test_a_parameter_over_the_cap_gets_its_own_bucket_and_dtypes_never_mix():
         ([3], "float64"), ([2], "float32"), ([1], "float64"), ([0], "float64")]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_averaging_a_bucket_is_bitwise_a_division_whatever_the_divisor(dtype):
+    rng = np.random.default_rng(0)
+    info = np.finfo(dtype)
+    values = np.concatenate([rng.normal(size=997) * 10.0 ** rng.integers(-30, 30, size=997),
+                             [info.tiny, info.tiny / 8, info.max, -info.max, 0.0, -0.0,
+                              np.inf, -np.inf, np.nan]]).astype(dtype)
+    (bucket,), _, _ = make_buckets([np.zeros(values.size, dtype)], cap_bytes=1 << 20)
+    for divisor in (1, 2, 3, 4, 6, 8, 64, 1000, 1024, 2.0 ** 40, 7.0):
+        bucket.grads[...] = values
+        bucket.divide(divisor)
+        expected = values / np.asarray(divisor, dtype)
+        assert np.array_equal(bucket.grads.view(np.uint8), expected.view(np.uint8)), divisor
+
+
 def test_grads_are_zero_copy_views_into_one_bucket_filled_in_reverse(dp):
     (bucket,) = buckets_of(dp.grads)
     dp.grads[0][...] = 1.0
