@@ -199,8 +199,8 @@ bench: venv  ## every benchmark: JSON and a plot in benchmarks/results/
 	MPIR_CVAR_ASYNC_PROGRESS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_dp.py \
 	  --out benchmarks/results/dp-2-ranks-async.json
 	$(PY) benchmarks/plot.py benchmarks/results/dp-*.json --out benchmarks/results/dp.png
-	@echo "== where a DataParallel step's time goes, at 2 ranks (benchmarks/profile_dp.py)"
-	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/profile_dp.py \
+	@echo "== where a DataParallel step's time goes, at 2 ranks (benchmarks/profile_steps.py)"
+	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/profile_steps.py \
 	  --out benchmarks/results/profile-2-ranks.json
 	@for n in 1 2 4; do \
 	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_zero.py \

@@ -1,8 +1,9 @@
-"""Where a DataParallel step's time goes: microseconds per part, with and without a Join.
+"""Where a step's time goes: microseconds per part, for DataParallel and for JoinableComm.
 
-    OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python -m mpi4py benchmarks/profile_dp.py \\
+    OPENBLAS_NUM_THREADS=1 mpiexec -n 2 python -m mpi4py benchmarks/profile_steps.py \\
         --out profile-2-ranks.json
 
+**DataParallel**, with and without a Join:
 Even inputs, the model of ``bench_dp.py`` (8 equal float32 parameters, default buckets), an
 empty step body (the gradients are refilled outside the timed step), so the step is the
 library's path alone: ``dp.step()``'s entry (the Join's heartbeat, the step's set-up), the
@@ -15,6 +16,11 @@ them, the same bytes through one raw ``comm.Iallreduce(IN_PLACE)`` + ``Wait`` an
 ``Iallreduce`` + ``Wait`` (the heartbeat's floor), and where MPI-4 has them, one 8-byte
 persistent allreduce (``Start`` + ``Wait``: what a persistent heartbeat would take).  Every
 figure is the median over the steps of the slowest rank's time, after warm-up steps.
+
+**JoinableComm**: the iteration of ``bench_jc.py`` (``begin_iteration()``, an allreduce of 8
+float64, a MAX of one int64, a broadcast of 4 float64) inside ``Join([jc])`` with every rank
+active, and with rank 0 joined from the start (the parts of the last rank, which stays active;
+its times, not the slowest rank's), against the same three operations in blocking mpi4py.
 """
 
 from __future__ import annotations
@@ -31,9 +37,9 @@ from collections import defaultdict
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import DataParallel, Join
-from tensorplay_mpi.algorithms import join
-from tensorplay_mpi.comm import persistent, work
+from tensorplay_mpi import DataParallel, Join, JoinableComm
+from tensorplay_mpi.algorithms import announcements, join, joinable_comm
+from tensorplay_mpi.comm import collectives, persistent, work
 from tensorplay_mpi.parallel import data_parallel
 
 PIECES = 8
@@ -54,6 +60,25 @@ PARTS = [
     (data_parallel.DataParallel, "_broadcast_buffers", "step end: buffers"),
     (data_parallel.DataParallel, "_after_step", "step end: publish, update"),
     (data_parallel._MustEnter, "__exit__", "step exit (context manager)"),
+]
+JC_PARTS = [
+    (join.Join, "_finish_iterations", "heartbeat: end_iteration (an END announcement)"),
+    (join.Join, "_heartbeat", "heartbeat: bookkeeping, request bits"),
+    (join, "iallreduce", "heartbeat: iallreduce (library start path)"),
+    (joinable_comm.JoinableComm, "begin_iteration", "begin_iteration()"),
+    (joinable_comm.JoinableComm, "_allreduce", "allreduce: arguments, dispatch"),
+    (joinable_comm.JoinableComm, "_bcast", "bcast: arguments, dispatch"),
+    (joinable_comm.JoinableComm, "_announces", "who is active (the heartbeat's wait)"),
+    (joinable_comm.JoinableComm, "_announce", "announcement: set-up"),
+    (announcements, "encode", "announcement: encode"),
+    (announcements, "decode", "announcement: decode, check"),
+    (persistent.PersistentCollectives, "_check", "persistent: the guard's count"),
+    (persistent.PersistentCollectives, "_run", "persistent: start, test (MPI)"),
+    (persistent.PersistentCollectives, "allreduce", "persistent: copies in and out"),
+    (persistent.PersistentCollectives, "bcast", "persistent: copies in and out"),
+    (joinable_comm, "iallreduce", "nonblocking allreduce (library start path)"),
+    (collectives, "_start", "library start: the guard, a Work"),
+    (work.Work, "wait_or_abort", "waits (MPI progress and completion)"),
 ]
 
 
@@ -86,9 +111,9 @@ class Timers:
 
 
 @contextlib.contextmanager
-def instrumented(timers: Timers):
+def instrumented(timers: Timers, parts: list):
     originals = []
-    for owner, name, part in PARTS:
+    for owner, name, part in parts:
         raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
         originals.append((owner, name, raw))
         fn = raw.__func__ if isinstance(raw, staticmethod) else raw
@@ -127,6 +152,57 @@ def profile(comm: MPI.Intracomm, dp: DataParallel, use_join: bool, steps: int,
     slowest = comm.allreduce([[row.get(p, 0.0) for p in parts] for row in per_step],
                              op=_elementwise_max)
     return {p: statistics.median(row[i] for row in slowest) for i, p in enumerate(parts)}
+
+
+def profile_jc(comm: MPI.Intracomm, iterations: int, timers: Timers) -> dict:
+    """JoinableComm's iteration: each part's time (us), every rank active (slowest rank) and
+    rank 0 joined (the last rank's), and the blocking mpi4py iteration."""
+    s, m, b = np.ones(8), np.ones(1, np.int64), np.ones(4)
+    so, mo, bo = np.empty(8), np.empty(1, np.int64), np.empty(4)
+    root = comm.size - 1
+    jc = JoinableComm(comm)
+
+    def iterate() -> None:
+        jc.begin_iteration()
+        jc.allreduce(s, out=so)
+        jc.allreduce(m, op=MPI.MAX, out=mo)
+        jc.bcast(b, root=root, out=bo)
+
+    def run(joined: bool) -> dict:
+        rows = []
+        with Join([jc]):
+            for k in range(iterations + 20 if not (joined and comm.rank == 0) else 0):
+                timers.reset()
+                start = time.perf_counter_ns()
+                iterate()
+                total = time.perf_counter_ns() - start
+                if k >= 20:
+                    row = {part: ns / 1e3 for part, ns in timers.spent.items()}
+                    row.update(iteration=total / 1e3, wrappers=timers.calls,
+                               rest=(total - sum(timers.spent.values())) / 1e3)
+                    rows.append(row)
+        parts = sorted({part for row in rows for part in row})
+        mine = {p: statistics.median(row.get(p, 0.0) for row in rows) for p in parts}
+        if joined:
+            return comm.bcast(mine, root=root)
+        every = comm.allgather(mine)
+        slowest = max(every, key=lambda r: r["iteration"])
+        return slowest
+
+    with instrumented(timers, JC_PARTS):
+        result = {"all_active": run(False), "one_joined": run(True)}
+    times = []
+    for k in range(iterations + 20):
+        comm.Barrier()
+        start = time.perf_counter_ns()
+        comm.Allreduce(s, so)
+        comm.Allreduce(m, mo, op=MPI.MAX)
+        comm.Bcast(b if comm.rank == root else bo, root=root)
+        elapsed = comm.allreduce(time.perf_counter_ns() - start, op=MPI.MAX)
+        if k >= 20:
+            times.append(elapsed / 1e3)
+    result["blocking"] = statistics.median(times)
+    return result
 
 
 def _max_rows(a, b, datatype):
@@ -171,7 +247,7 @@ def main() -> None:
         params = [np.zeros(total // PIECES, np.float32) for _ in range(PIECES)]
         dp = DataParallel(params, comm=comm)
         steps = args.steps if total <= 4_000_000 else max(args.steps // 10, 10)
-        with instrumented(timers):
+        with instrumented(timers, PARTS):
             rows = {"join": profile(comm, dp, True, steps, timers),
                     "no_join": profile(comm, dp, False, steps, timers)}
         rows["raw_allreduce_us"] = raw(comm, np.ones(total, np.float32), steps)
@@ -190,6 +266,16 @@ def main() -> None:
             for part in parts:
                 print(f"  {part:48s} {rows['join'].get(part, 0):9.1f} "
                       f"{rows['no_join'].get(part, 0):9.1f}")
+    report["joinable_comm"] = jc_rows = profile_jc(comm, args.steps * 10, timers)
+    if comm.rank == 0:
+        print(f"{comm.size} ranks, JoinableComm: us per iteration (median of {args.steps * 10})"
+              f"; the same in blocking mpi4py {jc_rows['blocking']:.1f}")
+        print(f"  {'part':48s} {'active':>9s} {'1 joined':>9s}")
+        parts = sorted(set(jc_rows["all_active"]) | set(jc_rows["one_joined"]),
+                       key=lambda p: (p in ("iteration", "rest", "wrappers"), p))
+        for part in parts:
+            print(f"  {part:48s} {jc_rows['all_active'].get(part, 0):9.1f} "
+                  f"{jc_rows['one_joined'].get(part, 0):9.1f}")
     if comm.rank == 0:
         report["load_after"] = os.getloadavg()
         with open(args.out, "w") as f:
