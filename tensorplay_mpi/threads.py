@@ -146,6 +146,12 @@ def _apply(limit: int, lower_only: bool) -> tuple[list[str], list[str]]:
     return lowered, kept
 
 
+def oversubscribed() -> bool:
+    """Whether this node runs more ranks than it has usable cores (False until
+    :func:`limit_threads` has counted them): a wait should then yield the core at once."""
+    return _local_ranks is not None and _local_ranks > usable_cores()
+
+
 def forget_decision() -> None:
     """Forget the decision (not the limits applied): the next :func:`limit_threads` decides
     again, from the settings as they are then."""

@@ -41,8 +41,9 @@ from mpi4py import MPI
 from ..comm.agreement import KINDS, agree_on_setting, kind_code
 from ..comm.buffers import device_of, is_device_array, misordered, zeros_like
 from ..comm.collectives import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast
-from ..comm.persistent import MAX_BYTES, PersistentCollectives, enabled
+from ..comm.persistent import MAX_BYTES, SPINS, PersistentCollectives, enabled
 from ..comm.tensors import as_array, is_tensor, like
+from ..threads import oversubscribed
 from . import announcements as wire
 from .guarded_joinable import GuardedJoinable
 from .join import Join, JoinHook
@@ -142,7 +143,8 @@ class JoinableComm(GuardedJoinable):
         agree_on_setting(lambda mine, every: iallgather(self.comm, mine, every, what),
                          self.rank, self.size, self.timeout, on, "TENSORPLAY_MPI_PERSISTENT",
                          "a persistent collective matches only a persistent one", refused)
-        return PersistentCollectives(self.comm, self.timeout) if on else None
+        spins = 0 if oversubscribed() else SPINS  # a spinning rank holds a core a peer needs
+        return PersistentCollectives(self.comm, self.timeout, spins) if on else None
 
     # -- iterations ------------------------------------------------------------------------
 

@@ -109,7 +109,7 @@ def _begin(what: str, comm: MPI.Intracomm | None, timeout: float | None,
     error: BaseException | None = None
     try:
         arrays = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
-    except (TypeError, ValueError) as refused:
+    except Exception as refused:  # a DLPack export's BufferError too, or a failing generator
         error = refused
     agree_or_raise(comm, error, f"checkpoint {what} (the arrays)", timeout)
     return comm, timeout, *arrays

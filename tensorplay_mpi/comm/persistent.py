@@ -38,12 +38,15 @@ from .guard import Guard
 from .ops import op_name
 from .work import Work
 
-__all__ = ["MAX_BYTES", "PersistentCollectives", "supported", "enabled", "free_all"]
+__all__ = ["MAX_BYTES", "SPINS", "PersistentCollectives", "supported", "enabled", "free_all"]
 
 MAX_BYTES = 4096
 """The largest array (in bytes) that goes through a persistent collective."""
 _CACHED = 16  # persistent requests kept per communicator, least recently used evicted
-_SPINS = 64  # tests of a started request before it becomes a Work (a few microseconds)
+SPINS = 8
+"""Tests of a started request before it becomes a :class:`~tensorplay_mpi.comm.work.Work` (whose
+wait yields the core between tests): a small collective between ranks on their own cores is
+done within a few; an owner on an oversubscribed node passes 0."""
 _live: "weakref.WeakSet[PersistentCollectives]" = weakref.WeakSet()  # freed at exit
 
 
@@ -84,11 +87,14 @@ class PersistentCollectives:
         The communicator.
     timeout : float
         Seconds a wait may take before the job is aborted (as every library wait).
+    spins : int, default :data:`SPINS`
+        Tests of a started request before the wait that yields the core.
     """
 
-    def __init__(self, comm: MPI.Intracomm, timeout: float) -> None:
+    def __init__(self, comm: MPI.Intracomm, timeout: float, spins: int = SPINS) -> None:
         self.comm = comm
         self.timeout = timeout
+        self._spins = spins
         self._guard = Guard.of(comm)
         self._cache: dict[tuple, tuple[MPI.Prequest, np.ndarray, np.ndarray]] = {}
         self._in_place: dict[int, tuple[MPI.Prequest, np.ndarray]] = {}
@@ -101,7 +107,7 @@ class PersistentCollectives:
     def free(self) -> None:
         """Free every kept request (all inactive: each start was waited for, and one that
         failed belongs to the registry and is no longer kept); local, not collective."""
-        if MPI.Is_finalized():
+        if not (self._cache or self._in_place) or MPI.Is_finalized():
             return
         entries = [entry[0] for entry in self._cache.values()]
         entries += [entry[0] for entry in self._in_place.values()]
@@ -175,7 +181,7 @@ class PersistentCollectives:
         notices); a request that has not completed at once becomes a Work."""
         request.Start()
         try:
-            for _ in range(_SPINS):  # a small collective completes within a few tests
+            for _ in range(self._spins):  # a small collective completes within a few tests
                 if request.Test():
                     return
         except MPI.Exception:  # failed: the registry owns it (as below), never restarted

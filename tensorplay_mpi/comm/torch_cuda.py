@@ -113,7 +113,8 @@ def _on_cuda(tensor: Any) -> bool:
 def _cupy_from_torch(tensor: Any) -> Any:
     import cupy
 
-    cupy.cuda.Device(tensor.get_device()).use()  # the library's kernels on the tensor's GPU
+    if not _devices:  # the first tensor: the library's kernels on its GPU from now on
+        cupy.cuda.Device(tensor.get_device()).use()
     return cupy.from_dlpack(tensor.detach())
 
 

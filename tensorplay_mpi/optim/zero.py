@@ -170,6 +170,7 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
         return packs, direct
 
     def _step_shard_and_sync(self) -> None:
+        torch_cuda.take()  # torch CUDA tensors: the clip and the update after torch's writes
         if self.max_grad_norm is not None:
             clip_grad_norm(self.grads, self.max_grad_norm)
         used = self._used()

@@ -396,9 +396,10 @@ class DataParallel(GuardedJoinable):
 
     def zero_grad(self) -> None:
         """Set every gradient to zero (for example before accumulating with no_sync)."""
+        torch_cuda.take()  # torch CUDA gradients: filled after torch's last reads
         for bucket in self._buckets:
             bucket.flat.fill(0)
-        torch_cuda.hand_back()  # torch CUDA gradients: backward() accumulates after the fill
+        torch_cuda.hand_back()  # and backward() accumulates after the fill
 
     def step(self, micro_batches: int = 1, unused: Sequence[int] = (),
              samples: int | None = None) -> contextlib.AbstractContextManager["DataParallel"]:
@@ -666,6 +667,7 @@ class DataParallel(GuardedJoinable):
         step.divisor = active if by_active else self.size
 
     def _start_bucket(self, step: _Step, k: int, shadow: bool = False) -> None:
+        torch_cuda.take()  # torch CUDA gradients: the kernels below after torch's last writes
         bucket = self._buckets[k]
         if not shadow:
             if step.unready[k] == 0 or step.all_have:  # marked ready: it has its gradient
@@ -673,7 +675,6 @@ class DataParallel(GuardedJoinable):
             else:
                 self._set_flags(bucket)
             if step.samples is not None:  # this rank's mean, weighted by its samples
-                torch_cuda.take()  # after backward()'s writes on torch's stream
                 bucket.grads *= step.samples  # (the slots are zero otherwise: see _divisor)
                 bucket.samples[0], bucket.samples[1] = step.samples, 1
         if shadow:  # a joined rank sends zeros, in place as the active ranks (see iallreduce)
