@@ -105,6 +105,13 @@ class Timers:
                 self._children[-1] += elapsed
         return timed
 
+    def row(self, whole: str, total_ns: int) -> dict[str, float]:
+        """The parts in us, `whole` (`total_ns` in us), the ``rest`` and the ``wrappers``."""
+        row = {part: ns / 1e3 for part, ns in self.spent.items()}
+        row.update({whole: total_ns / 1e3, "wrappers": self.calls,
+                    "rest": (total_ns - sum(self.spent.values())) / 1e3})
+        return row
+
     def reset(self) -> None:
         self.spent.clear()
         self.calls = 0
@@ -143,11 +150,7 @@ def profile(comm: MPI.Intracomm, dp: DataParallel, use_join: bool, steps: int,
                 pass
             total = time.perf_counter_ns() - start
             if k >= 3:  # warm-up
-                row = {part: ns / 1e3 for part, ns in timers.spent.items()}
-                row["step"] = total / 1e3
-                row["rest"] = (total - sum(timers.spent.values())) / 1e3
-                row["wrappers"] = timers.calls
-                per_step.append(row)
+                per_step.append(timers.row("step", total))
     parts = sorted({part for row in per_step for part in row})
     slowest = comm.allreduce([[row.get(p, 0.0) for p in parts] for row in per_step],
                              op=_elementwise_max)
@@ -177,10 +180,7 @@ def profile_jc(comm: MPI.Intracomm, iterations: int, timers: Timers) -> dict:
                 iterate()
                 total = time.perf_counter_ns() - start
                 if k >= 20:
-                    row = {part: ns / 1e3 for part, ns in timers.spent.items()}
-                    row.update(iteration=total / 1e3, wrappers=timers.calls,
-                               rest=(total - sum(timers.spent.values())) / 1e3)
-                    rows.append(row)
+                    rows.append(timers.row("iteration", total))
         parts = sorted({part for row in rows for part in row})
         mine = {p: statistics.median(row.get(p, 0.0) for row in rows) for p in parts}
         if joined:

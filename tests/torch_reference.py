@@ -81,6 +81,19 @@ def serial(make_update: Callable[[Branchy], Callable[[], None]], inputs: list[in
     return model
 
 
+def adamw_onecycle_clip(model: torch.nn.Module, total_steps: int) -> tuple:
+    """AdamW + OneCycleLR over `total_steps` + clip_grad_norm_, one update: (update, optimizer,
+    scheduler)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=total_steps)
+
+    def update() -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+        opt.step()
+        sched.step()
+    return update, opt, sched
+
+
 def arrays(model: torch.nn.Module) -> list[np.ndarray]:
     return [p.detach().cpu().numpy().copy() for p in model.parameters()]
 

@@ -19,7 +19,8 @@ from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere, res
 
 torch = pytest.importorskip("torch")
 
-from torch_reference import Branchy, arrays, close, loss_of, same_everywhere, serial  # noqa: E402
+from torch_reference import (Branchy, adamw_onecycle_clip, arrays, close, loss_of,  # noqa: E402
+                             same_everywhere, serial)
 
 from tensorplay_mpi.checkpoint import torch_state  # noqa: E402
 from tensorplay_mpi.evaluation.sync_batchnorm import SyncBatchNorm  # noqa: E402
@@ -57,15 +58,9 @@ def stand_in_used(place):
     return place is fake_cuda
 
 
-def adamw_onecycle_clip(model):
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)
-
-    def update():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
-        opt.step()
-        sched.step()
-    return update, opt
+def optimizer_state(opt):
+    """torch optimizer `opt`'s state tensors, on the host, in parameter order."""
+    return [t.detach().cpu().numpy() for s in opt.state.values() for t in s.values()]
 
 
 def sometimes(rank, t):
@@ -88,7 +83,7 @@ def test_torch_training_through_update_equals_serial_torch_on_the_device(comm, p
     inputs = [min(STEPS, n) for n in inputs_of(pattern, comm.size)]
     model = place(Branchy())
     freeze_bias(model)
-    update, opt = adamw_onecycle_clip(model)
+    update, opt, _ = adamw_onecycle_clip(model, STEPS)
     dp = DataParallel(model.parameters(), comm=comm, bucket_cap_mb=1e-4, update=update)
     with Join([dp]):
         for t in range(inputs[comm.rank]):
@@ -97,14 +92,20 @@ def test_torch_training_through_update_equals_serial_torch_on_the_device(comm, p
             with dp.step(micro_batches=k):
                 for m in range(k):
                     loss_of(model, comm.rank, t, m, sometimes, place).backward()
-    expected = serial(lambda m: adamw_onecycle_clip(m)[0], inputs, sometimes, micro,
-                      prepare=freeze_bias, place=place)
+    reference = {}
+
+    def serial_update(m):
+        update, reference["opt"], _ = adamw_onecycle_clip(m, STEPS)
+        return update
+    expected = serial(serial_update, inputs, sometimes, micro, prepare=freeze_bias, place=place)
     got = arrays(model)
-    state = [t.detach().cpu().numpy() for s in opt.state.values() for t in s.values()]
+    state = optimizer_state(opt)
     assert_all(all(is_on_device(p) for p in model.parameters()), "a parameter moved")
     assert_all(all(is_on_device(g) for g in dp.grads), "dp.grads left the device")
     assert_all(same_everywhere(got + state, comm), "parameters or AdamW state differ")
     assert_all(not close(got, arrays(expected)), close(got, arrays(expected)))
+    assert_all(not close(state, optimizer_state(reference["opt"])),
+               f"AdamW state off serial torch's: {close(state, optimizer_state(reference['opt']))}")
     if stand_in_used(place) and max(inputs):
         assert_all(TorchCounters.stream_syncs > 0 and TorchCounters.hand_backs > 0,
                    f"torch's stream: {TorchCounters.stream_syncs} syncs, "
@@ -113,29 +114,26 @@ def test_torch_training_through_update_equals_serial_torch_on_the_device(comm, p
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("zero", [False, True])
-def test_library_optimizers_on_device_tensors_equal_the_host_run(comm, place, zero):
+def test_library_optimizers_on_device_tensors_equal_serial_torch_adam(comm, place, zero):
     """The library's Adam (fused kernels on a GPU) and ZeroRedundancyOptimizer over torch
-    CUDA parameters: as the same run on the CPU."""
+    CUDA parameters, in the Join: as serial torch.optim.Adam over the global batches."""
     inputs = inputs_of("three_plus_rank", comm.size)
-
-    def run(where):
-        model = where(Branchy())
-        params = list(model.parameters())
-        dp = DataParallel(params, comm=comm, bucket_cap_mb=1e-4)
-        opt = (ZeroRedundancyOptimizer(params, dp.grads, Adam, comm=comm, lr=0.01) if zero
-               else Adam(params, dp.grads, lr=0.01))
-        with Join([dp, opt]):
-            for t in range(inputs[comm.rank]):
-                model.zero_grad()
-                with dp.step():
-                    loss_of(model, comm.rank, t, place=where).backward()
-                opt.step()
-        return arrays(model)
-
-    host = run(lambda x: x)
-    got = run(place)
+    model = place(Branchy())
+    params = list(model.parameters())
+    dp = DataParallel(params, comm=comm, bucket_cap_mb=1e-4)
+    opt = (ZeroRedundancyOptimizer(params, dp.grads, Adam, comm=comm, lr=0.01) if zero
+           else Adam(params, dp.grads, lr=0.01))
+    with Join([dp, opt]):
+        for t in range(inputs[comm.rank]):
+            model.zero_grad()
+            with dp.step():
+                loss_of(model, comm.rank, t, place=place).backward()
+            opt.step()
+    expected = arrays(serial(lambda m: torch.optim.Adam(m.parameters(), lr=0.01).step, inputs,
+                             place=place))
+    got = arrays(model)
     assert_all(gathered_equal(got, comm), "parameters differ across ranks")
-    assert_all(not close(got, host), close(got, host))
+    assert_all(not close(got, expected), close(got, expected))
     if stand_in_used(place) and max(inputs):  # each update after torch's writes, and before
         assert_all(TorchCounters.takes > 0 and TorchCounters.hand_backs > 0,  # torch's next
                    f"{TorchCounters.takes} takes, {TorchCounters.hand_backs} hand-backs")
@@ -185,6 +183,92 @@ def test_sync_batchnorm_on_the_device_equals_batchnorm_over_the_global_batch(com
            if not torch.allclose(a.detach().cpu(), b.detach().cpu(), rtol=1e-10, atol=1e-12)]
     assert_all(not bad and (stand_in_used(place) or y.is_cuda),
                f"differ: {bad} (output, input grad, running mean, running var)")
+
+
+def bn_net(norm):
+    """Linear - BatchNorm1d (SyncBatchNorm over `norm`, a JoinableComm, when given) - tanh -
+    Linear, float64, on the host."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.BatchNorm1d(3),
+                                torch.nn.Tanh(), torch.nn.Linear(3, 2)).double()
+    return model if norm is None else SyncBatchNorm.convert_sync_batchnorm(model, norm)
+
+
+def bn_batch(rank, t, place):
+    g = torch.Generator().manual_seed(100 * rank + t)
+    n = 2 + rank
+    return (place(torch.randn(n, 4, generator=g, dtype=torch.float64) * 2 + 1),
+            place(torch.randn(n, 2, generator=g, dtype=torch.float64)))
+
+
+def sse(model, x, y):
+    return ((model(x) - y) ** 2).sum()
+
+
+def host_state(model):
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+def serial_batchnorm(inputs, sync, place, lr):
+    """The model's state after each global step (:func:`host_state`) in serial torch, SGD: with
+    `sync`, one BatchNorm1d over the concatenated batch of the
+    ranks active at each step; without, each active rank's gradient from its own batch on
+    the current state, the running statistics those of the highest active rank's batch (what
+    DataParallel broadcasts at the step's end)."""
+    model = place(bn_net(None))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    states = []
+    for t in range(max(inputs)):
+        active = [r for r in range(len(inputs)) if inputs[r] > t]
+        opt.zero_grad()
+        if sync:
+            xs, ys = zip(*(bn_batch(r, t, place) for r in active))
+            sse(model, torch.cat(xs), torch.cat(ys)).backward()
+        else:
+            start = {k: v.clone() for k, v in model.state_dict().items()}
+            grads = [torch.zeros_like(p) for p in model.parameters()]
+            for r in active:
+                model.load_state_dict(start)
+                model.zero_grad()
+                sse(model, *bn_batch(r, t, place)).backward()
+                grads = [g + p.grad for g, p in zip(grads, model.parameters())]
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g
+        for p in model.parameters():
+            p.grad /= len(inputs)
+        opt.step()
+        states.append(host_state(model))
+    return states
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("norm", ["batch", "sync"])
+def test_a_device_model_with_batchnorm_trains_as_serial_torch_buffers_included(comm, place, norm):
+    """BatchNorm1d (the buffers DataParallel broadcasts) or SyncBatchNorm (in the same Join),
+    SGD through update=, uneven inputs: after every step of every rank (what a periodic save
+    writes), parameters, running statistics and num_batches_tracked as serial torch on the
+    same device; the same on every rank after the Join."""
+    inputs = [min(4, n) for n in inputs_of("three_plus_rank", comm.size)]
+    jc = JoinableComm(comm) if norm == "sync" else None
+    model = place(bn_net(jc))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(), update=opt.step)
+    seen = []
+    with Join([dp] if jc is None else [dp, jc]):
+        for t in range(inputs[comm.rank]):
+            model.zero_grad()
+            with dp.step():
+                sse(model, *bn_batch(comm.rank, t, place)).backward()
+            seen.append(host_state(model))
+    expected = serial_batchnorm(inputs, norm == "sync", place, lr=0.05)
+    seen.append(host_state(model))  # after the Join: the last step's, on every rank
+    off = [(t, k) for t, got in zip([*range(len(seen) - 1), len(expected) - 1], seen)
+           for k, v in expected[t].items()
+           if not np.allclose(got[k], v, rtol=1e-10, atol=1e-12)]
+    assert_all(not off, f"(step, entry) off serial torch: {off}")
+    final = seen[-1]
+    assert_all(int(final["1.num_batches_tracked"]) == max(inputs)
+               and same_everywhere(list(final.values()), comm), "replicas differ")
 
 
 @pytest.mark.mpi(min_size=1)

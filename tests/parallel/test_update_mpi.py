@@ -14,21 +14,10 @@ from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 torch = pytest.importorskip("torch")
 
-from torch_reference import Branchy, arrays, close, loss_of, same_everywhere, serial  # noqa: E402
+from torch_reference import (Branchy, adamw_onecycle_clip, arrays, close, loss_of,  # noqa: E402
+                             same_everywhere, serial)
 
 STEPS = 8  # the most steps of any rank in these tests (OneCycleLR's total)
-
-
-def adamw_onecycle_clip(model):
-    """AdamW + OneCycleLR + clip_grad_norm_, one update; returns (update, optimizer, sched)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS)
-
-    def update():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
-        opt.step()
-        sched.step()
-    return update, opt, sched
 
 
 def rmsprop_lambda(model):
@@ -46,7 +35,8 @@ def adagrad(model):
     return opt.step, opt, None
 
 
-RECIPES = {"adamw_onecycle_clip": adamw_onecycle_clip, "rmsprop_lambda": rmsprop_lambda,
+RECIPES = {"adamw_onecycle_clip": lambda model: adamw_onecycle_clip(model, STEPS),
+           "rmsprop_lambda": rmsprop_lambda,
            "adagrad": adagrad}
 
 
