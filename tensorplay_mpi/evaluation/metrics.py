@@ -35,6 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.joinable_comm import JoinableComm
+from ..algorithms.requests import running_join
 from ..comm.agreement import layout_digest, same_everywhere
 from ..comm.collectives import (check_comm, default_comm, default_timeout, iallgather, iallgatherv,
                                 iallreduce)
@@ -77,7 +78,8 @@ class SyncGroup:
 
     A communicator cannot be pickled: a metric pickled and loaded again syncs over the default
     communicator (``MPI.COMM_WORLD``) until it is given its group again, ``metric.process_group
-    = SyncGroup(jc)`` (inside a Join, the Join's JoinableComm).  A copy (``metric.clone()``)
+    = SyncGroup(jc)`` (inside a Join, the Join's JoinableComm; its sync there raises
+    ``RuntimeError`` before any collective until then).  A copy (``metric.clone()``)
     shares the group, as it shares ``MPI.COMM_WORLD``.
     """
 
@@ -128,6 +130,30 @@ def sync_options(group: Any = None) -> dict[str, Any]:
     return {"dist_sync_fn": gather_all_tensors,
             "distributed_available_fn": _MoreThanOneRank(group_size(handle.group)),
             "process_group": handle}
+
+
+def _shares_ranks(group: MPI.Intracomm, comm: MPI.Intracomm) -> bool:
+    """Whether some process is in both communicators (local: their groups compared)."""
+    mine, theirs = group.Get_group(), comm.Get_group()
+    try:
+        found = MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), theirs)
+    finally:
+        mine.Free()
+        theirs.Free()
+    return any(rank != MPI.UNDEFINED for rank in found)
+
+
+def _refuse_inside_join(comm: MPI.Intracomm, what: str) -> None:
+    """Raise RuntimeError, before any collective, when `what` runs over the plain `comm`
+    inside a running Join over any of its ranks: a rank that has joined would not shadow it
+    (on the Join's communicator its polls would match the collective and decode garbage)."""
+    join = running_join()
+    if join is not None and _shares_ranks(comm, join.joinables[0].join_process_group):
+        raise RuntimeError(
+            f"{what} over a plain communicator inside a running Join, where ranks that have "
+            f"joined cannot shadow it: pass the Join's JoinableComm instead (a torchmetrics "
+            f"metric: `metric.process_group = SyncGroup(jc)`, which a pickled or loaded metric "
+            f"needs again, as it syncs over MPI.COMM_WORLD until then), or sync after the Join")
 
 
 def _packed(rank: int, data: np.ndarray) -> np.ndarray:
@@ -201,6 +227,9 @@ def gather_all_tensors(result: Any, group: Any = None) -> list[Any]:
         For a dtype NumPy and MPI cannot carry (bfloat16, say), or a `group` of another kind.
     ValueError
         For a tensor of more than 8 dimensions.
+    RuntimeError
+        Over a plain communicator inside a running Join on any of its ranks (a loaded metric
+        not given its :class:`SyncGroup` back), before any collective.
     """
     checked = group_of(group)
     torch = sys.modules.get("torch") if is_tensor(result) else None
@@ -211,6 +240,7 @@ def gather_all_tensors(result: Any, group: Any = None) -> list[Any]:
         rows = checked.allgather(row)
         rank = checked.rank
     else:
+        _refuse_inside_join(checked, "gather_all_tensors (a metric's sync)")
         rank = checked.Get_rank()
         rows = _allgather_bytes(checked, _packed(rank, data))
     pairs = _unpacked(rows)
@@ -294,6 +324,9 @@ def reduce_states(states: Mapping[str, Any], comm: Any = None, *,
         For a state that is not real numbers (complex, objects).
     ValueError
         On every rank, when ranks passed different names, shapes or kinds (`check`).
+    RuntimeError
+        Over a plain communicator inside a running Join on any of its ranks, before any
+        collective: pass the Join's JoinableComm.
 
     Examples
     --------
@@ -303,6 +336,8 @@ def reduce_states(states: Mapping[str, Any], comm: Any = None, *,
         mean_loss = totals["loss"] / totals["count"]
     """
     group = group_of(comm)
+    if not isinstance(group, JoinableComm):
+        _refuse_inside_join(group, "reduce_states")
     arrays = {name: host_array(value, name) for name, value in states.items()}
     for name, array in arrays.items():
         if array.dtype.kind not in "biuf":

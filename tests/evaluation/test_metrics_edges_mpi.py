@@ -3,12 +3,16 @@ rank that has no samples equals one process; a metric built with sync_options pi
 loaded one syncs again."""
 
 import pickle
+import re
+import time
 
 import numpy as np
 import pytest
+from helpers import PROGRAMS, results
 
+from tensorplay_mpi import Join, JoinableComm
 from tensorplay_mpi.metrics import SyncGroup, gather_all_tensors, sync_options
-from tensorplay_mpi.testing import assert_all
+from tensorplay_mpi.testing import assert_all, raises_everywhere, run_mpi
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchmetrics")
@@ -63,3 +67,46 @@ def test_a_metric_with_sync_options_pickles_and_syncs_after_loading(comm, group)
     assert_all(isinstance(loaded.process_group, SyncGroup))
     got = float(loaded.compute())
     assert_all(abs(got - 2 / 3) < 1e-6, f"accuracy {got} after loading, expected 2/3")
+
+
+
+@pytest.mark.mpi(min_size=2)  # one rank: torchmetrics does not sync
+def test_a_loaded_metric_inside_a_join_is_refused_before_its_sync(comm):
+    """A metric pickled with sync_options(jc) syncs over the default communicator once loaded:
+    inside the running Join, every rank active, each refuses its sync at the same point,
+    naming SyncGroup(jc), before any collective, so the JoinableComm stays usable; given its
+    group back, the metric syncs in the same Join form (a rank joined: metric_misuse.py)."""
+    jc = JoinableComm(comm)
+    metric = pickle.loads(pickle.dumps(MulticlassAccuracy(
+        num_classes=3, average="micro", dist_sync_on_step=True, **sync_options(jc))))
+    with raises_everywhere(RuntimeError, match=r"plain communicator.*SyncGroup\(jc\)"):
+        with Join([jc]):
+            jc.begin_iteration()
+            metric(torch.tensor([0, 1]), torch.tensor([0, 2]))
+    metric.process_group = SyncGroup(jc)
+    with Join([jc]):
+        for _ in range(1 + comm.rank):
+            jc.begin_iteration()
+            step_accuracy = float(metric(torch.tensor([0, 1]), torch.tensor([0, 2])))
+    # this rank's last iteration has ranks rank..size-1 active, each right on 1 of 2 samples
+    assert_all(abs(step_accuracy - 0.5) < 1e-6, f"step accuracy {step_accuracy}, expected 1/2")
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_a_loaded_metric_synced_after_a_rank_joined_ends_every_rank_with_the_remedy(nprocs):
+    """The active ranks refuse the sync (RuntimeError naming SyncGroup(jc)) before any
+    collective; rank 0, in its join loop, gets it as a PeerFailureError within its next wait.
+    No rank gets a value, and the job ends."""
+    start = time.monotonic()
+    result = run_mpi(nprocs, [str(PROGRAMS / "metric_misuse.py")], timeout=90)
+    elapsed = time.monotonic() - start
+    outcomes = results(result.stdout)
+    assert result.returncode != 0 and elapsed < 30, (elapsed, result.stdout, result.stderr)
+    assert "VALUE" not in result.stdout, result.stdout
+    remedy = "plain communicator inside a running Join"
+    assert re.match(r"PeerFailureError: rank 0: rank \d failed with RuntimeError: "
+                    r"gather_all_tensors", outcomes[0]) and "SyncGroup(jc)" in outcomes[0], \
+        outcomes
+    for rank in range(1, nprocs):
+        assert outcomes[rank].startswith("RuntimeError: gather_all_tensors") and \
+            remedy in outcomes[rank] and "SyncGroup(jc)" in outcomes[rank], outcomes

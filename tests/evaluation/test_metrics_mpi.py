@@ -238,3 +238,25 @@ def test_a_copied_metric_or_model_shares_the_joinable_comm(comm):
     metric = MeanSquaredError(**sync_options(jc)).clone()
     layer = copy.deepcopy(SyncBatchNorm(2, process_group=jc))
     assert_all(metric.process_group.group is jc and layer.process_group is jc)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("call", ["gather_all_tensors", "reduce_states"])
+def test_a_plain_communicator_inside_a_join_is_refused_before_its_collective(comm, call):
+    """Over the Join's own communicator the collective would match a joined rank's polls; the
+    refusal comes first, on every rank, and the communicator and the JoinableComm stay usable
+    (the sums after it are exact)."""
+    jc = JoinableComm(comm)
+    with raises_everywhere(RuntimeError, match=r"plain communicator inside a running Join.*"
+                                               r"SyncGroup\(jc\)"):
+        with Join([jc]):
+            jc.begin_iteration()
+            if call == "gather_all_tensors":
+                gather_all_tensors(np.arange(3), comm)
+            else:
+                reduce_states({"n": 1}, comm)
+    with Join([jc]):
+        jc.begin_iteration()
+        inside = reduce_states({"n": 1}, jc)["n"]
+    after = reduce_states({"n": 1}, comm)["n"]
+    assert_all(inside == after == comm.size, f"sums {inside}, {after}: expected {comm.size}")
