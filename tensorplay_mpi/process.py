@@ -208,6 +208,8 @@ STATE: tuple[State, ...] = (
           "the test session's"),
     State("the attribute on users' torch parameters (a weak reference to their binding)",
           "parallel/torch_grads.py", "", "weak: dead with their DataParallel"),
+    State("the dp.step() blocks entered and not yet left (their micro_batches and samples, "
+          "for SyncBatchNorm)", "parallel/data_parallel.py", "", "empty after every step"),
     State("the attribute on a SyncBatchNorm layer's parameters (a weak reference to the "
           "layer, for DataParallel's Join check)", "evaluation/sync_batchnorm.py", "",
           "weak: dead with the layer; not pickled"),

@@ -3,10 +3,11 @@
 ``tensorplay_mpi.SyncBatchNorm`` (this module, imported on first use: ``import
 tensorplay_mpi`` does not import torch) is ``torch.nn.SyncBatchNorm`` over MPI for CPU
 and CUDA tensors.  In training mode each forward pass reduces, over the ranks of its group, the
-per-channel sums of the batch and of its squares (float64) and the number of samples (int64),
-two allreduces started together; the backward pass reduces the sums of the output gradient and
-of its product with the centred input (float64).  Normalisation, running statistics and the
-gradients are then those of ``torch.nn.BatchNorm*`` over the concatenated global batch.
+per-channel sums of the batch and of its squares (float64) and the number of samples with the
+``micro_batches`` of the step in progress (int64), two allreduces started together; the
+backward pass reduces the sums of the output gradient and of its product with the centred
+input (float64).  Normalisation, running statistics and the gradients are then those of
+``torch.nn.BatchNorm*`` over the concatenated global batch.
 
 In a Join the group is a :class:`~tensorplay_mpi.JoinableComm` that is in the Join
 (``SyncBatchNorm.convert_sync_batchnorm(model, jc)``): every reduction is one of its
@@ -27,6 +28,17 @@ every active rank, as torch's BatchNorm does for one (while a rank has joined, t
 ends with it on every rank: a joined rank raises the same kind where it shadows the layer, so it
 cannot be caught and skipped inside the loop).  The statistics are summed in float64, so
 a float32 model matches serial float32 BatchNorm to float32 rounding (about 1e-6 relative).
+
+The backward pass mixes the ranks' output gradients, each the gradient of its own rank's loss.
+DataParallel's plain mean weights every rank alike, which fits; ``dp.step(samples=n)``
+multiplies rank r's gradient by its ``n_r`` before dividing by their sum, so inside such a step
+rank r sums ``n_r`` times its contributions and divides its result by ``n_r``: every gradient
+on rank r is then that of the union's loss divided by ``n_r``, and the step's mean is the
+gradient of the mean loss over the union, as serial BatchNorm on the concatenated batch gives
+(a rank with ``samples=0`` and a non-empty batch cannot be weighted so: ``ValueError`` on
+every rank).  The statistics of each micro-batch of ``dp.step(micro_batches=K)`` are collectives
+of every active rank, so K must be the same on every active rank in a step (checked in each
+forward pass: ``ValueError`` on every rank; a rank with fewer runs empty micro-batches).
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ from __future__ import annotations
 import copy
 import math
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -43,26 +55,78 @@ from mpi4py import MPI
 from ..algorithms.joinable_comm import JoinableComm
 from ..algorithms.requests import running_join
 from ..comm.tensors import JOIN_CHECK, host_array
+from ..parallel.data_parallel import step_in_progress
 from .metrics import StatesDiffer, group_of, group_size, reduce_states
 
 __all__ = ["SyncBatchNorm"]
 
 
-def _sums(group: Any, floats: torch.Tensor, count: int | None = None,
+def _sums(group: Any, floats: torch.Tensor, counts: np.ndarray | None = None,
           check: bool = False) -> tuple:
-    """`floats` (float64) summed over the group's ranks, and `count` (int64) when given; with
-    `check`, every rank's number of channels is compared first (see reduce_states): the
+    """`floats` (float64) summed over the group's ranks, and `counts` (int64) when given;
+    with `check`, every rank's number of channels is compared first (see reduce_states): the
     forward pass checks, so the backward pass (the same lengths) need not."""
     states: dict[str, Any] = {"sums": host_array(floats, "sums")}  # 2C numbers: the host
-    if count is not None:
-        states["count"] = np.int64(count)
+    if counts is not None:
+        states["counts"] = counts
     try:
         totals = reduce_states(states, group, check=check)
     except StatesDiffer:
         raise ValueError(f"SyncBatchNorm: ranks have different numbers of channels (this rank "
                          f"{floats.numel() // 2}): every rank must run the same model") from None
     return (torch.from_numpy(totals["sums"]).to(floats.device),
-            None if count is None else int(totals["count"]))
+            None if counts is None else totals["counts"].tolist())
+
+
+def _refuse(group: Any, error: Exception) -> NoReturn:
+    """Raise `error`, which every active rank raises at this point; ranks that have joined
+    raise it too, at this point (a JoinableComm's refusal)."""
+    if isinstance(group, JoinableComm):
+        group._refuse(error)
+    raise error
+
+
+def _micro_batches() -> np.ndarray:
+    """``[1, K, K * K]`` (int64), K the ``micro_batches`` of the ``dp.step()`` in progress (1
+    outside one): summed over the active ranks, every rank can tell whether all ran the same
+    K (``ranks * sum(K * K) == sum(K) ** 2`` only when every K is equal)."""
+    step = step_in_progress()
+    k = 1 if step is None else step[0]
+    return np.array([1, k, k * k], dtype=np.int64)
+
+
+def _check_micro_batches(group: Any, ranks: int, k_sum: int, k_squares: int) -> None:
+    """Raise on every active rank (and joined ones) unless every active rank runs the same
+    number of micro-batches in its ``dp.step()``: a short rank's step would end, and its
+    gradient buckets be matched against another rank's next statistics."""
+    if ranks * k_squares != k_sum * k_sum:
+        k = int(_micro_batches()[1])
+        _refuse(group, ValueError(
+            f"SyncBatchNorm: the active ranks run different numbers of micro-batches in this "
+            f"dp.step() (micro_batches={k} here, {k_sum / ranks:g} on average over {ranks} "
+            f"ranks): the statistics of each micro-batch are one collective of every active "
+            f"rank, so every rank must run the same micro_batches in a step. Pass the same K "
+            f"on every rank, and let a rank with fewer micro-batches run empty ones (a batch of "
+            f"0 samples, forward and backward pass: it adds nothing)"))
+
+
+def _weight() -> float:
+    """What DataParallel multiplies this rank's gradient by at the step's end: its
+    ``samples`` in a ``dp.step(samples=)`` in progress, else 1 (a plain mean)."""
+    step = step_in_progress()
+    return 1.0 if step is None or step[1] is None else float(step[1])
+
+
+def _refuse_zero_weights(group: Any, ranks: float) -> None:
+    """A rank with ``samples=0`` and a non-empty batch: its samples move every rank's
+    statistics, but its gradient is multiplied by zero; no weighting can be exact."""
+    if ranks > 0:
+        _refuse(group, ValueError(
+            f"SyncBatchNorm: {ranks:g} rank(s) entered dp.step(samples=0) with a non-empty "
+            f"batch: its samples move the statistics of every rank's batch, but a per-sample "
+            f"mean multiplies its gradient by zero, so the step could not be the gradient of "
+            f"the mean loss over the union; pass each rank the number of samples its loss "
+            f"averages over (0 only for an empty batch), or leave samples= out"))
 
 
 def _by_channel(x: torch.Tensor) -> torch.Tensor:
@@ -134,13 +198,13 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         channels = x.shape[1]
         flat = _by_channel(x.detach()).double()
         local = torch.cat([flat.sum((0, 2)), (flat * flat).sum((0, 2))])
-        totals, count = _sums(group, local, flat.shape[0] * flat.shape[2], check=True)
+        counts = np.concatenate([[flat.shape[0] * flat.shape[2]], _micro_batches()])
+        totals, (count, *micro_batches) = _sums(group, local, counts, check=True)
+        _check_micro_batches(group, *micro_batches)
         if count == 1:
-            error = ValueError(f"Expected more than 1 value per channel when training, got "
-                               f"{count} over every rank (input size {list(x.shape)} here)")
-            if isinstance(group, JoinableComm):
-                group._refuse(error)  # ranks that have joined raise it too, at this point
-            raise error
+            _refuse(group, ValueError(
+                f"Expected more than 1 value per channel when training, got {count} over "
+                f"every rank (input size {list(x.shape)} here)"))
         mean = totals[:channels] / max(count, 1)  # empty everywhere: as serial, an empty
         var = (totals[channels:] / max(count, 1) - mean * mean).clamp_(min=0)  # output
         invstd = (var + eps).rsqrt()
@@ -168,10 +232,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         xmu = flat - mean[None, :, None]
         sum_dy, sum_dy_xmu = dy.sum((0, 2)), (dy * xmu).sum((0, 2))
         grad_input = None
-        if ctx.needs_input_grad[0]:
-            totals, _ = _sums(ctx.group, torch.cat([sum_dy, sum_dy_xmu]))
-            count = max(ctx.count, 1)
-            mean_dy, mean_dy_xmu = totals[:channels] / count, totals[channels:] / count
+        if ctx.needs_input_grad[0]:  # `dy` is this rank's loss's: weighted as DataParallel
+            share = _weight()  # will weight it (see the module's docstring)
+            zero = float(share == 0 and x.numel() > 0)
+            totals, _ = _sums(ctx.group, torch.cat([
+                torch.cat([sum_dy, sum_dy_xmu]) * share, sum_dy.new_full((1,), zero)]))
+            _refuse_zero_weights(ctx.group, float(totals[-1]))
+            count = max(ctx.count, 1) * (share or 1.0)  # and unweighted here
+            mean_dy, mean_dy_xmu = totals[:channels] / count, totals[channels:-1] / count
             scale = invstd if weight is None else invstd * weight.detach().double()
             grad_input = (scale[None, :, None] * (
                 dy - mean_dy[None, :, None]
@@ -206,7 +274,10 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     ValueError
         In training, when every rank together has one value per channel; for an input of
         fewer than 2 dimensions; when a Join is made with a DataParallel over the layer's
-        parameters and the layer does not reduce through a JoinableComm of that Join.
+        parameters and the layer does not reduce through a JoinableComm of that Join; on
+        every rank, when the active ranks entered their ``dp.step()`` with different
+        ``micro_batches``, or, in the backward pass, when a rank passed ``samples=0`` with a
+        non-empty batch.
     RuntimeError
         In training, over a plain communicator inside a running Join on the same ranks.
     """

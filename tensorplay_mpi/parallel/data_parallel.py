@@ -52,6 +52,29 @@ from .torch_grads import TorchGradients, check_unbound, frozen_mask
 
 __all__ = ["DataParallel"]
 
+_ENTERED: list["_Step"] = []  # the dp.step() blocks this process is inside, innermost last
+
+
+def step_in_progress() -> tuple[int, int | None] | None:
+    """``(micro_batches, samples)`` of the innermost ``dp.step()`` this process is inside (any
+    DataParallel), None outside every step.  Read by a layer whose backward pass mixes the
+    ranks' gradients (SyncBatchNorm), so that it weights them as the step does and checks
+    that every rank runs the step's micro-batches alike.  Not thread-local: torch runs a CUDA
+    backward pass on a thread of its own."""
+    if not _ENTERED:
+        return None
+    step = _ENTERED[-1]
+    return step.micro_batches, step.samples
+
+
+@contextlib.contextmanager
+def _entered(step: "_Step") -> Iterator[None]:
+    """`step` in :data:`_ENTERED` while the caller's ``with dp.step():`` block runs."""
+    _ENTERED.append(step)
+    try:
+        yield
+    finally:
+        _ENTERED.remove(step)
 
 
 # The constructor's local checks: what one rank refuses, every rank learns before any broadcast.
@@ -413,7 +436,9 @@ class DataParallel(GuardedJoinable):
             micro-batches accumulate inside the step (``loss_k.backward()`` K times; each
             ``p.grad`` sums them, as without DataParallel) and are averaged once.  This is
             the accumulation that works inside a Join with any optimizer; with the overlap, a
-            parameter's bucket starts after its K-th gradient.
+            parameter's bucket starts after its K-th gradient.  K may differ between ranks,
+            but not in a model with SyncBatchNorm layers, whose statistics are collectives of
+            each micro-batch (``ValueError`` on every rank: run empty micro-batches).
         unused : sequence of int
             Indices of array (not autograd) parameters this rank produced no gradient for in
             this step (see the class notes); torch parameters are read from autograd.
@@ -422,7 +447,8 @@ class DataParallel(GuardedJoinable):
             `samples` samples (its loss a mean over its batch), and the step's gradient is
             the mean over every active rank's samples, ``sum(samples_r * grad_r) /
             sum(samples_r)``: the gradient of the mean loss over the union of the batches, as
-            a serial run computes it, whatever the batch sizes.  Every active rank passes it
+            a serial run computes it, whatever the batch sizes (SyncBatchNorm layers included:
+            their backward pass weights the ranks alike).  Every active rank passes it
             for the same steps (else ``RuntimeError``); the counts ride in the bucket
             allreduces (no message of their own).  A step without samples anywhere averages
             to zero.
@@ -484,7 +510,7 @@ class DataParallel(GuardedJoinable):
         self._step = step = _Step(self._steps, heartbeat, self._sync, len(self.params),
                                   [len(b.members) for b in self._buckets], micro_batches,
                                   samples)
-        with self._settling_failures(step):
+        with self._settling_failures(step), _entered(step):
             if self._requires:
                 self._check_frozen()
             if self._manual.size:

@@ -10,7 +10,7 @@ ran every step after the Join makes every rank equal to the reference.
 import numpy as np
 import pytest
 
-from tensorplay_mpi import Join, JoinableComm
+from tensorplay_mpi import DataParallel, Join, JoinableComm
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 torch = pytest.importorskip("torch")
@@ -147,3 +147,87 @@ def test_convert_shares_parameters_and_state_and_keeps_the_rest():
     with pytest.raises(ValueError, match="at least 2D"):
         net.norm(torch.ones(3, dtype=torch.float64))
     assert np.isclose(float(net.norm.running_mean[0]), 1.0)
+
+
+# -- micro-batches: dp.step(micro_batches=K) ---------------------------------------------------
+
+def train_micro_batches(comm, steps, real, size_of, micro_batches):
+    """Train the Net with DataParallel in one Join: rank r runs `steps[r]` steps, in step t
+    `real(r, t)` micro-batches of `size_of(r, m)` samples, entered as
+    ``dp.step(micro_batches=micro_batches(r, t))`` (any more of them empty)."""
+    jc = JoinableComm(comm)
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(), update=opt.step)
+    with Join([dp, jc]):
+        for t in range(steps[comm.rank]):
+            k = micro_batches(comm.rank, t)
+            model.zero_grad()
+            with dp.step(micro_batches=k):
+                for m in range(k):
+                    n = size_of(comm.rank, m) if m < real(comm.rank, t) else 0
+                    sse(model, *batch(comm.rank, 100 * t + m, n)).backward()
+    return model
+
+
+def micro_batch_mismatch(comm, steps):
+    """Every rank's step 1 with 2 micro-batches, but the last rank's with 3."""
+    last = comm.size - 1
+    return train_micro_batches(comm, steps, lambda r, t: 3 if (r, t) == (last, 1) else 2,
+                               lambda r, m: 2, lambda r, t: 3 if (r, t) == (last, 1) else 2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_micro_batches_that_differ_between_ranks_raise_on_every_rank(comm):
+    """Issue 47: the short rank's gradient buckets were matched against the other's third
+    statistics ("different numbers of channels"), and the job aborted at exit."""
+    with raises_everywhere(ValueError, match="different numbers of micro-batches"):
+        micro_batch_mismatch(comm, [2] * comm.size)
+    total = JoinableComm(comm).allreduce(np.ones(1))  # nothing started, nothing pending
+    assert_all(total[0] == comm.size)
+
+
+@pytest.mark.mpi(min_size=3)
+def test_micro_batches_that_differ_with_a_rank_joined_raise_on_every_rank(comm):
+    """Rank 0 has joined: it learns the active ranks' refusal from their announcement."""
+    with raises_everywhere(ValueError, match="different numbers of micro-batches|ValueError"):
+        micro_batch_mismatch(comm, [1] + [2] * (comm.size - 1))
+    total = JoinableComm(comm).allreduce(np.ones(1))
+    assert_all(total[0] == comm.size)
+
+
+def real_micro_batches(r, t):
+    return 1 + (r + t) % 2
+
+
+def micro_sizes(r, m):
+    return 2 + (r + m) % 3
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["even", "three_plus_rank"])
+def test_a_rank_with_fewer_micro_batches_runs_empty_ones_as_serial_batchnorm(comm, pattern):
+    """The documented remedy: K is the largest number of micro-batches of the step, and a rank
+    with fewer runs empty ones; equal to serial BatchNorm on each micro-batch's union."""
+    inputs = inputs_of(pattern, comm.size)
+
+    def most(t):
+        return max(real_micro_batches(r, t) for r in range(comm.size) if inputs[r] > t)
+
+    model = train_micro_batches(comm, inputs, real_micro_batches, micro_sizes,
+                                lambda r, t: most(t))
+    reference = Net()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    for t in range(max(inputs)):
+        opt.zero_grad()
+        for m in range(most(t)):
+            xs, ys = zip(*(batch(r, 100 * t + m, micro_sizes(r, m)) for r in range(comm.size)
+                           if inputs[r] > t and real_micro_batches(r, t) > m))
+            sse(reference, torch.cat(xs), torch.cat(ys)).backward()
+        for p in reference.parameters():
+            p.grad /= comm.size
+        opt.step()
+    expected, state = reference.state_dict(), model.state_dict()
+    off = {k: float((state[k].double() - v.double()).abs().max()) for k, v in expected.items()
+           if not torch.allclose(state[k].double(), v.double(), rtol=1e-9, atol=1e-11)}
+    assert_all(not off, f"off the serial replay: {off}")
