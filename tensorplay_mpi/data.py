@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import numbers
-from typing import Iterable, Iterator, Sequence
+import sys
+from typing import Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
 __all__ = ["shard_sizes", "shard", "batches", "Sampler"]
+
+_T = TypeVar("_T")
 
 
 def shard_sizes(num_samples: int, size: int, skew: float = 0.0,
@@ -82,6 +85,10 @@ class Sampler:
     :attr:`cursor` counts this rank's batches consumed in the epoch (a batch counts once the
     loop asks for the next one, so a ``break`` leaves the current batch unconsumed).
 
+    As a torch ``DataLoader``'s ``batch_sampler``, iterate :meth:`track` of the loader: its
+    workers take batches from the sampler ahead of the loop, and :meth:`track` counts only
+    those handed to the loop (a loader iterating the sampler outside it is refused).
+
     A checkpoint saves ``cursor=sampler.cursor`` and ``extra={"sampler": sampler.state()}``;
     :meth:`resume` takes the saved epoch, every rank's cursor and that state.  At the same
     world size every rank goes on with its own shard from its cursor (the run never stopped).
@@ -122,6 +129,8 @@ class Sampler:
     ::
 
         sampler = Sampler(len(data), comm.rank, comm.size, batch_size=16, seed=0)
+        # with torch: loader = DataLoader(dataset, batch_sampler=sampler, num_workers=2)
+        # and `for batch in sampler.track(loader):` in place of `for idx in sampler:`
         resumed = checkpoint.load(directory, params, comm=comm, resize=True)
         if resumed is not None:
             sampler.resume(resumed.epoch, resumed.cursors, resumed.extra.get("sampler"))
@@ -156,6 +165,7 @@ class Sampler:
         self._splits: list[tuple[int, list[int]]] = []  # earlier splits of this epoch
         self._base: list[int] | None = None  # every rank's cursor where this split began
         self._earlier: dict[int, list[float]] = {}  # weights of earlier world sizes (state)
+        self._tracking = False  # a tracked loader takes its iterator: it does not count
 
     def _weights(self, size: int, last: bool = False) -> list[float] | None:
         """The weights of a split of this epoch over `size` ranks (None: by `skew`): those the
@@ -211,8 +221,73 @@ class Sampler:
         return max(-(-p.size // self.batch_size) for p in self._parts())
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        """This rank's batches from :attr:`cursor` on, counting each once the next is asked."""
-        for batch in self.batches()[self.cursor:]:
+        """This rank's batches from :attr:`cursor` on, counting each once the next is asked.
+
+        Raises
+        ------
+        RuntimeError
+            When a torch ``DataLoader`` iterates the sampler outside :meth:`track` (the
+            cursor would count the batches its workers took ahead of the loop).
+        """
+        refused = None if self._tracking else _untracked_loader(sys._getframe(1))
+        return self._from(self.cursor, not self._tracking, refused)
+
+    def _from(self, start: int, count: bool, refused: str | None) -> Iterator[np.ndarray]:
+        if refused is not None:  # raised at the loader's first request, once it is whole
+            raise RuntimeError(refused)
+        for batch in self.batches()[start:]:
+            yield batch
+            if count:
+                self.cursor += 1
+
+    def track(self, loader: Iterable[_T]) -> Iterator[_T]:
+        """The batches of `loader`, a torch ``DataLoader`` built with ``batch_sampler=`` this
+        sampler, counting in :attr:`cursor` each batch the loop consumed, as iterating the
+        sampler itself does (a batch counts once the loop asks for the next one).
+
+        The loader's workers (``num_workers``), its ``prefetch_factor`` and its pinning thread
+        (``pin_memory``) take batches from the sampler ahead of the loop; those count only
+        when the loader hands them to the loop, so a checkpoint's cursor resumes at the first
+        batch the loop did not consume.  A loader built with ``in_order=False`` is refused
+        (it hands batches out of the sampler's order).  Each ``track(loader)`` goes on from
+        the cursor.
+
+        Raises
+        ------
+        TypeError
+            If `loader` has no ``batch_sampler`` (it is not a DataLoader).
+        ValueError
+            If its ``batch_sampler`` is not this sampler, or it was built with
+            ``in_order=False``.
+
+        Examples
+        --------
+        ::
+
+            loader = DataLoader(dataset, batch_sampler=sampler, num_workers=2, pin_memory=True)
+            for batch in sampler.track(loader):
+                ...
+        """
+        if not hasattr(loader, "batch_sampler"):
+            raise TypeError(f"Sampler.track: expected a torch DataLoader built with "
+                            f"batch_sampler=this sampler, got {type(loader).__name__}")
+        if loader.batch_sampler is not self:
+            raise ValueError(f"Sampler.track: the loader's batch_sampler is another "
+                             f"{type(loader.batch_sampler).__name__}, not this sampler: build "
+                             "it with DataLoader(dataset, batch_sampler=sampler, ...)")
+        if not getattr(loader, "in_order", True):
+            raise ValueError("Sampler.track: the loader was built with in_order=False, so it "
+                             "hands batches out of the sampler's order and no cursor can say "
+                             "which were consumed: leave in_order at True")
+        return self._tracked(loader)
+
+    def _tracked(self, loader: Iterable[_T]) -> Iterator[_T]:
+        self._tracking = True  # the loader's iterator of the sampler, taken now, does not count
+        try:
+            handed = iter(loader)
+        finally:
+            self._tracking = False
+        for batch in handed:
             yield batch
             self.cursor += 1
 
@@ -333,6 +408,22 @@ class Sampler:
                 np.float64).tolist()
             at += 1 + n
         return splits
+
+
+_LOADERS = ("torch.utils.data",)  # modules whose loaders take batches ahead of the loop
+
+
+def _untracked_loader(caller: object) -> str | None:
+    """Why the sampler's iterator is refused when `caller`, the frame that asked for it, is a
+    torch DataLoader's (outside :meth:`Sampler.track` its prefetching would count), or None."""
+    module = getattr(caller, "f_globals", {}).get("__name__", "")
+    if not module.startswith(_LOADERS):
+        return None
+    return ("Sampler: a torch DataLoader iterates this sampler outside sampler.track(loader): "
+            "a loader takes batches ahead of the loop (with workers, num_workers x "
+            "prefetch_factor of them), so the cursor would count batches the loop never "
+            "consumed and a resume would skip them; iterate `for batch in "
+            "sampler.track(loader):` instead of the loader")
 
 
 def _split(ids: np.ndarray, size: int, skew: float,

@@ -209,3 +209,63 @@ def test_a_shrink_after_the_split_is_done_leaves_nothing_and_names_the_lost_samp
                                            for i in b.tolist())
     assert list(ranks[0]) == [] and list(ranks[2]) == []
     assert (ranks[2].rank, ranks[2].size) == (1, 2)
+
+
+def id_loader(sampler, **kwargs):
+    """A torch DataLoader whose sample ``i`` is ``i``, over `sampler` as its batch_sampler."""
+    torch = pytest.importorskip("torch")
+    ids = torch.utils.data.TensorDataset(torch.arange(N))
+    return torch.utils.data.DataLoader(ids, batch_sampler=sampler,
+                                       collate_fn=lambda rows: [int(r[0]) for r in rows],
+                                       **kwargs)
+
+
+LOADERS = {"main-process": {}, "2-workers": {"num_workers": 2},
+           "2-persistent-workers": {"num_workers": 2, "persistent_workers": True,
+                                    "prefetch_factor": 3}}
+
+
+@pytest.mark.parametrize("kwargs", LOADERS.values(), ids=LOADERS)
+def test_a_dataloader_s_cursor_counts_what_the_loop_consumed_and_resumes_each_sample_once(
+        kwargs):
+    """Before: with 2 workers the cursor was 6 (the batches the workers took) after the loop
+    consumed 3, so the resume skipped samples. Three ranks (simulated) stop after 1, 2 and 3
+    batches, go on through the same loader, stop again, and resume at 2 ranks."""
+    used = []
+    ranks = samplers(3)
+    loaders = [id_loader(s, **kwargs) for s in ranks]
+    for stops in ([1, 2, 3], [2, 0, 1]):  # the second goes on through the same loaders
+        for sampler, loader, count in zip(ranks, loaders, stops):
+            before = sampler.cursor
+            for k, batch in enumerate(sampler.track(loader)):
+                if k == count:
+                    break
+                used.extend(batch)
+            assert sampler.cursor == before + count
+    cursors, state = [s.cursor for s in ranks], ranks[0].state()
+    assert cursors == [3, 2, 4]
+    resumed = samplers(2)
+    for sampler in resumed:
+        sampler.resume(1, cursors, state)
+        used.extend(i for batch in sampler.track(id_loader(sampler, **kwargs)) for i in batch)
+    assert sorted(used) == list(range(N)), collections.Counter(used).most_common(3)
+
+
+@pytest.mark.parametrize("kwargs", LOADERS.values(), ids=LOADERS)
+def test_a_dataloader_iterating_the_sampler_outside_track_is_refused(kwargs):
+    """Before: the loader ran, and its cursor counted the batches its workers took."""
+    sampler = samplers(2)[0]
+    with pytest.raises(RuntimeError, match=r"outside sampler.track\(loader\).*would skip"):
+        next(iter(id_loader(sampler, **kwargs)))
+    assert sampler.cursor == 0  # and the sampler itself still iterates
+    assert [b.tolist() for b in sampler] == [b.tolist() for b in samplers(2)[0].batches()]
+
+
+def test_track_refuses_a_loader_that_is_not_this_sampler_s():
+    sampler, other = samplers(2)
+    with pytest.raises(TypeError, match="expected a torch DataLoader .* got list"):
+        sampler.track([[1, 2]])
+    with pytest.raises(ValueError, match="batch_sampler is another Sampler, not this sampler"):
+        sampler.track(id_loader(other))
+    with pytest.raises(ValueError, match="in_order=False"):
+        sampler.track(id_loader(sampler, num_workers=2, in_order=False))
