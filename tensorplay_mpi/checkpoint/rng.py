@@ -9,6 +9,15 @@ the state as a ``uint8`` array that a checkpoint holds; :func:`set_rng_state` pu
     resumed = checkpoint.load(directory, params)
     set_rng_state(rng, resumed.extra["rng"])  # the same draws as the run never stopped
 
+A generator of each rank's own (seeded with the rank: a Monte Carlo sweep, dropout masks per
+rank) goes in as :class:`~tensorplay_mpi.checkpoint.meta.PerRank`, so that every rank's state
+is saved and comes back to its own rank (a plain ``extra`` value is saved as rank 0 has it, and
+one that differs across ranks is refused)::
+
+    checkpoint.save(directory, params, extra={"rng": PerRank(rng_state(rng))})
+    ...
+    set_rng_state(rng, checkpoint.load(directory, params).extra["rng"])  # this rank's own
+
 Both take a NumPy ``Generator``, a NumPy bit generator, a legacy ``RandomState`` or a
 ``torch.Generator`` (torch is imported only when given one of its generators).
 """

@@ -4,9 +4,11 @@ A checkpoint in directory ``DIR`` is one manifest, ``DIR/checkpoint.npz``, writt
 (parameters, buffers, the optimizer state when it is the same on every rank, the step and epoch
 counters, every rank's data cursor, small extra arrays), plus, for a
 :class:`~tensorplay_mpi.optim.ZeroRedundancyOptimizer` saved sharded, one file per rank
-holding its shard's state.  Every file is written to a temporary name, flushed to disk
-(``fsync``) and renamed; the manifest is renamed last and names the shard files of its own
-save, so a job killed at any point of a save keeps the previous checkpoint, whole.
+holding its shard's state, and, for extra arrays that are each rank's own
+(:class:`~tensorplay_mpi.checkpoint.meta.PerRank`), one file per rank holding them.  Every
+file is written to a temporary name, flushed to disk (``fsync``) and renamed; the manifest is
+renamed last and names the per-rank files of its own save, so a job killed at any point of a
+save keeps the previous checkpoint, whole.
 
 Both functions are collective over `comm` and run outside a Join, or (``save``) from a Join's
 ``on_save``, which every rank, joined or not, runs at one iteration boundary: every rank calls
@@ -38,7 +40,8 @@ from ..comm.tensors import as_arrays, host_array
 from ..optim.protocol import OptimizerState
 from ..process import set_up
 from ..replicas import digest
-from .meta import check_config, check_savable, encode_config
+from .meta import (check_config, check_extra, check_savable, encode_config, extra_digests,
+                   groups, resumed_extra, split_extra)
 
 __all__ = ["save", "load", "Saved", "Resumed", "MANIFEST"]
 
@@ -159,8 +162,12 @@ def read_arrays(path: str) -> dict[str, np.ndarray]:
         return {name: data[name] for name in data.files}
 
 
-def _shard_path(directory: str, rank: int, size: int, token: int) -> str:
-    return os.path.join(directory, f"optimizer-shard-{rank}-of-{size}.{token}.npz")
+_PER_RANK_FILES = ("optimizer-shard", "per-rank")  # a ZeRO shard's state; PerRank extras
+
+
+def _shard_path(directory: str, rank: int, size: int, token: int,
+                what: str = "optimizer-shard") -> str:
+    return os.path.join(directory, f"{what}-{rank}-of-{size}.{token}.npz")
 
 
 def _like(sample: Any, host: np.ndarray) -> Any:
@@ -279,10 +286,13 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     step, epoch, cursor : int
         The counters (the same on every rank) and this rank's data cursor.
     extra : mapping of str to array, optional
-        Small arrays saved as rank 0 has them (say, the epoch's running totals); numeric or
-        string arrays only.  A torch optimizer's or scheduler's state goes here as arrays
-        (:func:`tensorplay_mpi.checkpoint.torch_state.state_arrays`), and so does an RNG's state
-        (:func:`tensorplay_mpi.checkpoint.rng.rng_state`).
+        Small arrays saved as rank 0 has them (say, the epoch's running totals), the same on
+        every rank; numeric or string arrays only.  A torch optimizer's or scheduler's state
+        goes here as arrays (:func:`tensorplay_mpi.checkpoint.torch_state.state_arrays`), and
+        so does an RNG's state (:func:`tensorplay_mpi.checkpoint.rng.rng_state`).  A value
+        that is each rank's own (a per-rank generator's state) goes in wrapped in
+        :class:`~tensorplay_mpi.checkpoint.meta.PerRank`: every rank's is saved and
+        :func:`load` gives each rank back its own.
     zero : {"sharded", "consolidated"}
         For a ZeroRedundancyOptimizer: each rank writes its shard's state to its own file, or
         rank 0 gathers the full state (``consolidate_state_dict``) and writes it.
@@ -305,11 +315,12 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     OSError
         On every rank, when writing failed on some rank (the previous checkpoint stays).
     ValueError, TypeError
-        On every rank, for different counters or parameters on different ranks, an unknown
-        `zero`, an optimizer that is none of the library's, a hyperparameter that cannot be
-        saved, an array that would not load back without pickle (object arrays, a dict in
-        `extra`, structured dtypes) or a `config` value that is not plain data; nothing is
-        written.
+        On every rank, for different counters or parameters on different ranks, `extra` keys
+        or plain `extra` values that differ across ranks (``ValueError``: rank 0's would be
+        saved; mark each rank's own with ``PerRank``), an unknown `zero`, an optimizer that is
+        none of the library's, a hyperparameter that cannot be saved, an array that would not
+        load back without pickle (object arrays, a dict in `extra`, structured dtypes) or a
+        `config` value that is not plain data; nothing is written.
     RuntimeError
         Inside a running Join outside its ``on_save``, before any collective (the ranks still
         in the Join then raise :class:`~tensorplay_mpi.errors.PeerFailureError`).
@@ -321,8 +332,14 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     params = [host_array(p) for p in params]  # once: the replica digest, then rank 0's manifest
     buffers = [host_array(b) for b in buffers]
     replicated = optimizer.replicated_state() if isinstance(optimizer, OptimizerState) else []
+    unsavable: Exception | None = None
+    try:  # refused after the counters' gather, which every rank must reach
+        shared, own = split_extra(extra)
+    except Exception as refused:  # a TypeError, or a failing device copy
+        unsavable, shared, own = refused, {}, {}
     counters = np.array([step, epoch, cursor, time.time_ns(),
-                         digest(params + buffers + replicated)], dtype=np.int64)
+                         digest(params + buffers + replicated), unsavable is None,
+                         *extra_digests(shared, own)], dtype=np.int64)
     every = np.empty((size, counters.size), dtype=np.int64)
     iallgather(comm, counters, every, "checkpoint counters").wait_or_abort(timeout)
     token = int(every[0, 3])
@@ -332,26 +349,31 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
             raise ValueError(f"ranks passed different step/epoch counters (by rank: "
                              f"{every[:, :2].tolist()}); pass the same on every rank")
         kind = _optimizer_kind(optimizer, zero)
-        check_savable(params, buffers, extra)
+        check_savable(params, buffers, None)
+        if unsavable is not None:
+            raise unsavable
         _check_replicated(every[:, 4])
+        if every[:, 5].all():  # else the rank whose extra failed raises its own error
+            check_extra(every[:, 6], every[:, 7], shared, own)
         recorded = encode_config(config)
-    except (ValueError, TypeError) as refused:
+    except Exception as refused:
         error = refused
     agree_or_raise(comm, error, "checkpoint arguments", timeout)
 
     if kind == "zero-consolidated":
         assert optimizer is not None  # a sharded optimizer
         optimizer.consolidate_state_dict(to=0)
-    shard = _shard_path(directory, rank, size, token)
+    mine = [_shard_path(directory, rank, size, token, what) for what in _PER_RANK_FILES]
     try:
-        written = _write_files(comm, directory, shard, params, buffers, optimizer, kind, every,
-                               extra, timeout, recorded, start)
+        written = _write_files(comm, directory, mine, params, buffers, optimizer, kind, every,
+                               (shared, own), timeout, recorded, start)
     except BaseException:
-        if not _committed(directory, token):  # else the manifest on disk names this shard
-            with contextlib.suppress(OSError):
-                os.unlink(shard)  # this save's, if this rank wrote it: no manifest names it
+        if not _committed(directory, token):  # else the manifest on disk names these files
+            for path in mine:  # this save's, if this rank wrote them: no manifest names them
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         raise
-    _remove_stale(directory, rank, shard)  # local: the commit's agreement was the last one
+    _remove_stale(directory, rank, mine)  # local: the commit's agreement was the last one
     return Saved(os.path.join(directory, MANIFEST), int(written[:, 0].sum()),
                  float(written[:, 1].max() / 1e9))
 
@@ -360,41 +382,45 @@ def _check_replicated(digests: np.ndarray) -> None:
     """Raise ValueError unless every rank holds the same parameters, buffers and replicated
     optimizer state (rank 0's are saved)."""
     if (digests != digests[0]).any():
-        groups: dict[int, list[int]] = {}
-        for rank, value in enumerate(digests.tolist()):
-            groups.setdefault(value, []).append(rank)
         raise ValueError(
             f"the ranks hold different parameters, buffers or optimizer state (the same within "
-            f"each of {list(groups.values())}), and a checkpoint saves rank 0's: inside a Join, "
+            f"each of {groups(digests)}), and a checkpoint saves rank 0's: inside a Join, "
             "a rank that has joined skips an update written in the loop after dp.step(); put "
             "the optimizer in the Join (Join([dp, opt])) or in update= so that joined ranks "
             "step too")
 
 
-def _write_files(comm: MPI.Intracomm, directory: str, shard: str, params: Sequence[Any],
-                 buffers: Sequence[Any], optimizer: Any, kind: str, every: np.ndarray,
-                 extra: Mapping[str, Any] | None, timeout: float,
-                 config: dict[str, Any] | None = None, start: float = 0.0) -> np.ndarray:
-    """Write this rank's shard, agree, then rank 0 writes the manifest (the commit point),
-    agree, the save's last collective; every rank's bytes written and nanoseconds since
-    `start` (a ``perf_counter`` reading), a row per rank."""
+def _write_files(comm: MPI.Intracomm, directory: str, mine: Sequence[str],
+                 params: Sequence[Any], buffers: Sequence[Any], optimizer: Any, kind: str,
+                 every: np.ndarray, extra: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
+                 timeout: float, config: dict[str, Any] | None = None,
+                 start: float = 0.0) -> np.ndarray:
+    """Write this rank's files (`mine`: its shard, its per-rank extras), agree, then rank 0
+    writes the manifest (the commit point), agree, the save's last collective; every rank's
+    bytes written and nanoseconds since `start` (a ``perf_counter`` reading), a row per
+    rank."""
     error: BaseException | None = None
     nbytes, rank = 0, comm.Get_rank()
+    shared, own = extra
     try:
         os.makedirs(directory, exist_ok=True)
         if kind == "zero-sharded":
             arrays, meta = _flatten(optimizer.shard_state_dict(), "optimizer")
             arrays["meta"] = np.array(json.dumps(meta))
-            nbytes += write_arrays(shard, arrays)
+            nbytes += write_arrays(mine[0], arrays)
+        if own:
+            nbytes += write_arrays(mine[1], {f"extra/{k}": v for k, v in own.items()})
         if rank == 0:
-            manifest = _manifest(params, buffers, optimizer, kind, every, extra, int(every[0, 3]))
+            manifest = _manifest(params, buffers, optimizer, kind, every, shared, sorted(own))
             if config is not None:
                 meta = json.loads(str(manifest["meta"]))
                 manifest["meta"] = np.array(json.dumps({**meta, "config": config}))
     except Exception as failed:
         error = failed
-    agree_or_raise(comm, error, "checkpoint write (optimizer shards and the manifest's contents)"
-           if kind == "zero-sharded" else "checkpoint write (the manifest's contents)", timeout)
+    parts = [name for name, wrote in (("optimizer shards", kind == "zero-sharded"),
+                                      ("per-rank extras", bool(own))) if wrote]
+    agree_or_raise(comm, error, f"checkpoint write ({' and '.join(parts)}"
+                   f"{' and ' if parts else ''}the manifest's contents)", timeout)
     try:
         if rank == 0:
             nbytes += write_arrays(os.path.join(directory, MANIFEST), manifest)
@@ -416,31 +442,36 @@ def _committed(directory: str, token: int) -> bool:
         return False
 
 
-def _remove_stale(directory: str, rank: int, current: str) -> None:
-    """Remove this rank's files that the manifest no longer names: shards of older saves and
-    temporary files of saves that were killed."""
-    stale = glob.glob(os.path.join(directory, f"optimizer-shard-{rank}-of-*"))
+def _remove_stale(directory: str, rank: int, current: Sequence[str]) -> None:
+    """Remove this rank's files that the manifest no longer names: shards and per-rank extras
+    of older saves and temporary files of saves that were killed."""
+    stale = [path for what in _PER_RANK_FILES
+             for path in glob.glob(os.path.join(directory, f"{what}-{rank}-of-*"))]
     if rank == 0:
         stale += glob.glob(os.path.join(directory, f"{MANIFEST}.tmp-*"))
     for path in stale:
-        if path != current:
+        if path not in current:
             with contextlib.suppress(OSError):  # harmless: the next save tries again
                 os.unlink(path)
 
 
 def _manifest(params: Sequence[Any], buffers: Sequence[Any], optimizer: Any, kind: str,
-              every: np.ndarray, extra: Mapping[str, Any] | None,
-              token: int) -> dict[str, np.ndarray]:
+              every: np.ndarray, extra: Mapping[str, np.ndarray],
+              per_rank: list[str]) -> dict[str, np.ndarray]:
+    """Rank 0's manifest: its arrays, the plain `extra` ones, and the names of the `per_rank`
+    ones, which each rank's own file holds."""
     arrays = {f"params/{i}": host_array(p) for i, p in enumerate(params)}
     arrays.update({f"buffers/{i}": host_array(b) for i, b in enumerate(buffers)})
-    arrays.update({f"extra/{k}": host_array(v) for k, v in (extra or {}).items()})
+    arrays.update({f"extra/{k}": v for k, v in extra.items()})
     meta: dict[str, Any] = {
-        "format": FORMAT, "world_size": len(every), "token": token, "optimizer": kind,
+        "format": FORMAT, "world_size": len(every), "token": int(every[0, 3]), "optimizer": kind,
         "step": int(every[0, 0]), "epoch": int(every[0, 1]),
         "cursors": every[:, 2].tolist(),
         "params": [[list(p.shape), p.dtype.str] for p in params],
         "buffers": [[list(b.shape), b.dtype.str] for b in buffers],
     }
+    if per_rank:
+        meta["per_rank"] = per_rank
     if kind in ("local", "zero-consolidated"):
         state, meta["optimizer_state"] = _flatten(optimizer.state_dict(), "optimizer")
         arrays.update(state)
@@ -465,7 +496,10 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     With ``resize=True`` a checkpoint saved at another world size loads: the replicated state
     as it is, a ZeRO state saved sharded re-sharded over this world size (every rank reads
     every saved shard), and the data cursors are left to the caller to re-split
-    (:class:`tensorplay_mpi.data.Sampler`).
+    (:class:`tensorplay_mpi.data.Sampler`).  The extra arrays saved per rank
+    (:class:`~tensorplay_mpi.checkpoint.meta.PerRank`) come back to their own ranks at the
+    saved world size; at another one none does: their keys are absent from ``Resumed.extra``,
+    and reading one raises ``KeyError`` naming both world sizes.
 
     Returns
     -------
@@ -506,6 +540,7 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         check_config(meta.get("config"), config)
         state, shard = _optimizer_state(meta, arrays, optimizer, os.fspath(directory), rank,
                                         size)
+        own = _own_extra(meta, os.fspath(directory), rank, size)
     except Exception as failed:
         error = failed
     tokens = agree_or_raise(comm, error, f"checkpoint load ({path})", timeout, token)
@@ -523,7 +558,8 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
             optimizer.load_shard_state_dict(state)
         else:
             optimizer.load_state_dict(state)
-    extra = {k[len("extra/"):]: v for k, v in arrays.items() if k.startswith("extra/")}
+    extra = resumed_extra(_extra_of(arrays), own, meta.get("per_rank", []),
+                          meta["world_size"], size)
     cursors = tuple(meta["cursors"])
     cursor = cursors[rank] if len(cursors) == size else 0
     return Resumed(meta["step"], meta["epoch"], cursor, cursors, extra, path, len(cursors))
@@ -544,6 +580,22 @@ def _check_manifest(meta: dict, params: Sequence[Any], buffers: Sequence[Any],
         if meta[name] != mine:
             raise ValueError(f"the checkpoint holds {name} {_layout(meta[name])}, this job has "
                              f"{_layout(mine)}")
+
+
+def _extra_of(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k[len("extra/"):]: v for k, v in arrays.items() if k.startswith("extra/")}
+
+
+def _own_extra(meta: dict, directory: str, rank: int, size: int) -> dict[str, np.ndarray]:
+    """This rank's per-rank extras (its own file), at the saved world size; none at another."""
+    keys = meta.get("per_rank", [])
+    if not keys or meta["world_size"] != size:
+        return {}
+    own = _extra_of(read_arrays(_shard_path(directory, rank, size, meta["token"], "per-rank")))
+    if sorted(own) != keys:
+        raise ValueError(f"rank {rank}'s per-rank file holds extra {sorted(own)}, the manifest "
+                         f"names {keys}: the checkpoint was altered")
+    return own
 
 
 def _layout(arrays: list) -> str:

@@ -8,7 +8,7 @@ from helpers import gathered_equal
 from linear import gradient, initial_params, make_problem, rank_batches
 
 from tensorplay_mpi import Adam, DataParallel, Join, ZeroRedundancyOptimizer, checkpoint
-from tensorplay_mpi.checkpoint import store
+from tensorplay_mpi.checkpoint import PerRank, rng_state, set_rng_state, store
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 
@@ -156,3 +156,81 @@ def test_different_counters_are_refused_on_every_rank(comm, tmp_path):
     with raises_everywhere(ValueError, match="different step/epoch counters"):
         checkpoint.save(directory, initial_params(), step=comm.rank, comm=comm)
     assert_all(not os.path.exists(os.path.join(directory, checkpoint.MANIFEST)))
+
+
+def generators(seed):
+    """A NumPy and a torch generator of `seed`, advanced a little."""
+    torch = pytest.importorskip("torch")
+    rng, gen = np.random.default_rng([11, seed]), torch.Generator().manual_seed(100 + seed)
+    rng.normal(size=3), torch.rand(2, generator=gen)
+    return rng, gen
+
+
+def next_draws(rng, gen):
+    """The generators' next draws, as bytes."""
+    torch = pytest.importorskip("torch")
+    return rng.normal(size=4).tobytes() + torch.rand(4, generator=gen).numpy().tobytes()
+
+
+def per_rank_files(directory):
+    return sorted(f for f in os.listdir(directory) if f.startswith("per-rank-"))
+
+
+@pytest.mark.mpi
+def test_each_rank_s_generators_come_back_to_their_own_rank_bitwise(comm, tmp_path):
+    """Before: extra kept rank 0's arrays, so every rank resumed rank 0's random draws."""
+    directory = shared_dir(comm, tmp_path)
+    rng, gen = generators(comm.rank)
+    extra = {"numpy": PerRank(rng_state(rng)), "torch": PerRank(rng_state(gen)),
+             "shared": np.arange(3)}
+    for step in (1, 2):  # the second save replaces the first one's per-rank files
+        checkpoint.save(directory, initial_params(), step=step, extra=extra, comm=comm)
+    expected = next_draws(rng, gen)  # what the generators draw next, the run never stopped
+    fresh, fresh_gen = generators(comm.size + comm.rank)  # somewhere else
+    resumed = checkpoint.load(directory, initial_params(), comm=comm)
+    set_rng_state(fresh, resumed.extra["numpy"])
+    set_rng_state(fresh_gen, resumed.extra["torch"])
+    got = next_draws(fresh, fresh_gen)
+    assert_all(got == expected, "this rank's generators did not come back to it")
+    assert_all(len(set(comm.allgather(expected))) == comm.size, "the ranks' draws coincide")
+    assert_all(resumed.extra["shared"].tolist() == [0, 1, 2] and resumed.step == 2,
+               str(resumed.extra))
+    files = per_rank_files(directory)
+    assert_all(len(files) == comm.size and all(f".{comm.size}." not in f for f in files)
+               and {f.split("-")[2] for f in files} == {str(r) for r in range(comm.size)},
+               str(files))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_extra_values_that_differ_across_ranks_are_refused_unless_per_rank(comm, tmp_path):
+    """Before: saved silently as rank 0's, so every rank would resume rank 0's generator."""
+    directory = shared_dir(comm, tmp_path)
+    state = rng_state(np.random.default_rng([11, comm.rank]))
+    with raises_everywhere(ValueError, match=r"extra values differ across ranks .*\['rng'\].*"
+                                             r"checkpoint\.PerRank"):
+        checkpoint.save(directory, initial_params(), extra={"rng": state}, comm=comm)
+    marked = {"rng": PerRank(state) if comm.rank == 0 else state}
+    with raises_everywhere(ValueError, match=r"different extra keys.*per-rank keys.*PerRank"):
+        checkpoint.save(directory, initial_params(), extra=marked, comm=comm)
+    assert_all(os.listdir(directory) == [], str(os.listdir(directory)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_per_rank_write_error_on_one_rank_keeps_the_previous_checkpoint(comm, tmp_path,
+                                                                        monkeypatch):
+    directory = shared_dir(comm, tmp_path)
+    mine = np.array([comm.rank, 1])
+    checkpoint.save(directory, initial_params(), step=1, extra={"x": PerRank(mine)}, comm=comm)
+    before = sorted(os.listdir(directory))
+    if comm.rank == comm.size - 1:
+        def full_disk(path, arrays):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(store, "write_arrays", full_disk)
+    with raises_everywhere(OSError, match="No space left on device"):
+        checkpoint.save(directory, initial_params(), step=2, extra={"x": PerRank(mine + 1)},
+                        comm=comm)
+    monkeypatch.undo()
+    assert_all(sorted(os.listdir(directory)) == before, "the previous checkpoint was touched")
+    resumed = checkpoint.load(directory, initial_params(), comm=comm)
+    assert_all(resumed.step == 1 and resumed.extra["x"].tolist() == [comm.rank, 1],
+               str(resumed.extra))

@@ -11,6 +11,7 @@ from mpi4py import MPI
 from tensorplay_mpi import (Adam, DataParallel, Join, ZeroRedundancyOptimizer, checkpoint,
                             clear_stop, request_stop)
 from tensorplay_mpi.data import Sampler
+from tensorplay_mpi.checkpoint import PerRank
 from tensorplay_mpi.testing import assert_all, raises_everywhere
 
 SAMPLES, BATCH, SKEW = 61, 4, 1.0
@@ -116,3 +117,30 @@ def test_a_resume_at_another_size_needs_resize_and_sampler_state(comm, tmp_path)
     sampler = Sampler(SAMPLES, comm.rank, comm.size, batch_size=BATCH)
     with raises_everywhere(ValueError, match="holds no sampler state"):
         sampler.resume(resumed.epoch, resumed.cursors, resumed.extra.get("sampler"))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_per_rank_values_at_another_world_size_are_absent_and_reading_one_says_why(comm,
+                                                                                  tmp_path):
+    """Each rank's own value belongs to a rank of the saving run: at another world size none
+    comes back (no rank gets another's); at the saving size each rank gets its own."""
+    directory = comm.bcast(str(tmp_path))
+    extra = {"tally": PerRank(np.array([comm.rank, 7])), "shared": np.arange(2)}
+    checkpoint.save(directory, [np.zeros(3)], epoch=1, extra=extra, comm=comm)
+    sub = sub_comm(comm, comm.size - 1)
+    ok, detail = True, ""
+    if sub != MPI.COMM_NULL:
+        resumed = checkpoint.load(directory, [np.zeros(3)], comm=sub, resize=True)
+        try:
+            resumed.extra["tally"]
+            ok, detail = False, "a per-rank value came back at another world size"
+        except KeyError as missing:
+            detail = str(missing)
+            ok = (f"saved per rank (checkpoint.PerRank) at {comm.size} ranks" in detail
+                  and f"this job has {comm.size - 1}" in detail)
+        ok = ok and "tally" not in resumed.extra and resumed.extra.get("tally") is None
+        ok = ok and resumed.extra["shared"].tolist() == [0, 1]
+        sub.Free()
+    assert_all(ok, detail)
+    resumed = checkpoint.load(directory, [np.zeros(3)], comm=comm, resize=True)
+    assert_all(resumed.extra["tally"].tolist() == [comm.rank, 7], str(resumed.extra))

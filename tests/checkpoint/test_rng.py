@@ -1,10 +1,14 @@
 """tensorplay_mpi.checkpoint.rng: a generator's state as a plain array, through a checkpoint,
-exactly."""
+exactly (each rank's own, as a PerRank value: tests/checkpoint/test_checkpoint_mpi.py at
+several ranks)."""
+
+import os
 
 import numpy as np
 import pytest
 
 from tensorplay_mpi import checkpoint
+from tensorplay_mpi.checkpoint import PerRank
 from tensorplay_mpi.checkpoint.rng import rng_state, set_rng_state
 
 NUMPY_GENERATORS = {
@@ -57,3 +61,28 @@ def test_states_of_another_kind_or_not_states_are_refused():
         set_rng_state(np.random.default_rng(1), np.zeros(3))
     with pytest.raises(TypeError, match="got dict"):
         rng_state({"state": 1})
+
+
+@pytest.mark.parametrize("make", NUMPY_GENERATORS.values(), ids=NUMPY_GENERATORS)
+def test_a_per_rank_generator_state_resumes_its_draws(tmp_path, make):
+    generator = make()
+    draw(generator)
+    checkpoint.save(tmp_path, [np.zeros(1)], extra={"rng": PerRank(rng_state(generator))})
+    expected = draw(generator)
+    fresh = make()
+    draw(fresh)
+    resumed = checkpoint.load(tmp_path, [np.zeros(1)])
+    set_rng_state(fresh, resumed.extra["rng"])
+    assert draw(fresh).tobytes() == expected.tobytes()
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("per-rank-"))[0].startswith(
+        "per-rank-0-of-1.")
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"state": 1}, r"extra\['rng'\] \(dict\)"),
+    (np.array([None]), r"extra\['rng'\] \(ndarray\): dtype object"),
+    (PerRank(np.zeros(1)), r"extra\['rng'\] \(PerRank\)")])
+def test_a_per_rank_value_is_checked_as_a_plain_one(tmp_path, value, match):
+    with pytest.raises(TypeError, match=match):
+        checkpoint.save(tmp_path, [np.zeros(1)], extra={"rng": PerRank(value)})
+    assert not os.listdir(tmp_path)
