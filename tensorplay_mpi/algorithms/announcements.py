@@ -21,13 +21,14 @@ from mpi4py import MPI
 
 from ..comm.agreement import KINDS
 from ..comm.collectives import OPS, op_name
+from ..errors import CollectiveMismatchError
 
 __all__ = ["END", "ALLREDUCE", "ALLGATHER", "BCAST", "REFUSED", "CARRIED_ALLREDUCE",
            "CARRIED_BCAST", "BLOCK", "DTYPES", "DTYPE_CODES", "OP_OBJECTS", "OP_CODES",
            "OP_KINDS", "FIELDS", "ROOT_IS_ME", "RANK", "PAYLOAD_AT", "PAYLOAD", "SLOTS",
            "NOBODY", "MAX_CODE", "MIN_CODE", "identity", "checked_op_name", "code_of_op",
            "refuse_op", "dtype_code", "covered", "digest", "carried_op", "order_keys",
-           "from_order_keys", "float_keys", "float_values", "encode", "decode"]
+           "from_order_keys", "float_keys", "float_values", "encode", "describe", "decode"]
 
 END, ALLREDUCE, ALLGATHER, BCAST, REFUSED = 1, 2, 3, 4, 5
 CARRIED_ALLREDUCE, CARRIED_BCAST = 6, 7  # the data travelled in the announcement
@@ -186,26 +187,52 @@ def encode(announcement: np.ndarray, fields: tuple, rank: int,
         announcement[PAYLOAD_AT:PAYLOAD_AT + payload.size] = payload
 
 
+_NAMES = {END: "the end of an iteration", ALLREDUCE: "allreduce", ALLGATHER: "allgather",
+          BCAST: "bcast", REFUSED: "a call with a bad argument", CARRIED_ALLREDUCE: "allreduce",
+          CARRIED_BCAST: "bcast", BLOCK: "a block of another joinable"}
+
+
+def describe(fields: tuple) -> str:
+    """What an announcement's `fields` (kind, op, dtype code, root, count, row digest) say,
+    for messages: ``allreduce of 4 float32 (SUM)``."""
+    kind, op, code, root, count, rows = fields
+    name = _NAMES.get(kind, f"kind {kind}")
+    if kind == REFUSED:
+        return f"{name} ({KINDS[op - 1].__name__})" if 0 < op <= len(KINDS) else name
+    if kind not in (ALLREDUCE, ALLGATHER, BCAST, CARRIED_ALLREDUCE, CARRIED_BCAST):
+        return name
+    what = f"{name} of {count} {DTYPES[code - 1]}" + (" per row" if kind == ALLGATHER else "")
+    if kind in (ALLREDUCE, CARRIED_ALLREDUCE):
+        what += f" ({OPS[op - 1]}{', persistent' if kind == ALLREDUCE and rows & 1 else ''})"
+    elif root != -1 or kind in (BCAST, CARRIED_BCAST):
+        what += f" from root {'highest_active' if root == -1 else root}"
+    return what
+
+
 def decode(announcement: np.ndarray, size: int, what: str) -> tuple:
     """The fields of a MAX-reduced `announcement` over `size` ranks, checked the same way on
     every rank.
 
     Raises
     ------
-    RuntimeError
+    CollectiveMismatchError
         Naming `what`, if the announcement is not one operation every active rank announced
-        (its digests differ: another collective, or ranks that announced different
-        operations), or names no valid operation.
+        (its digests differ: ranks that announced different operations, or another
+        collective).
+    RuntimeError
+        If it names no valid operation.
     """
     values = tuple(announcement[:PAYLOAD_AT].tolist())
     kind, op, code, root, count, rows = fields = values[:FIELDS]
     signature, negated = values[FIELDS:FIELDS + 2]
     if signature != -negated or signature != digest(covered(fields)):
-        raise RuntimeError(
+        raise CollectiveMismatchError(
             f"{what} is not one operation that every active rank announced: active ranks "
-            "issued different JoinableComm operations, or the collectives of a Join's "
-            "joinables did not run in the order of its list (a collective of a joinable of "
-            "yours between JoinableComm operations, say)")
+            "issued different JoinableComm operations (a different kind, dtype, element "
+            "count, op or root; allreduce against iallreduce of a small host array; a bad "
+            "argument on some ranks only), or the collectives of a Join's joinables did not "
+            "run in the order of its list (a collective of a joinable of yours between "
+            "JoinableComm operations, say); no rank received a value from it.")
     data = kind in (ALLREDUCE, ALLGATHER, BCAST, CARRIED_ALLREDUCE, CARRIED_BCAST)
     reduces = kind in (ALLREDUCE, CARRIED_ALLREDUCE)
     if not ((data or kind in (END, REFUSED, BLOCK))

@@ -1,29 +1,32 @@
 """JoinableComm: any iterative MPI loop made join-safe without writing a hook.
 
-Wire schedule.  The first operation of an iteration reads the heartbeat's count ``n`` of
-active ranks (waiting for it there, not in ``begin_iteration()``, so work in between hides it).
+Wire schedule.  Every operation starts with an announcement, ``Iallreduce(int64[18], MAX)``
+of ``[kind, op, dtype, root, count, variant or row digest, digest, -digest, rank == root,
+rank, payload[8]]``; joined ranks send the int64 minimum, so every rank learns the operation,
+the highest active rank and whether an int root is active.  ``digest`` hashes the fields
+before it: every rank checks ``max(digest) == -max(-digest)`` (all active ranks announced
+the same operation) and the digest itself (it is an announcement, not another joinable's
+collective), and raises :class:`~tensorplay_mpi.errors.CollectiveMismatchError` if not, before
+any data moves: a call whose kind, dtype, element count, op or root differs between ranks
+never returns a value, whether or not ranks have joined, inside a Join or outside.
 
-- ``n == size`` (every rank active), and outside an enabled Join: each operation goes straight
-  to MPI, nothing more: ``allreduce`` is one ``Iallreduce``; ``bcast`` one ``Ibcast``;
-  ``allgather`` an ``Iallgather`` of ``[row count, digest of dtype and trailing shape]``, then
-  an ``Iallgatherv``.
-- ``n < size``: before each operation the active ranks announce it with
-  ``Iallreduce(int64[18], MAX)`` of ``[kind, op, dtype, root, count, row digest, digest,
-  -digest, rank == root, rank, payload[8]]``; joined ranks send the int64 minimum, so every
-  rank learns the operation, the highest active rank and whether an int root is active.
-  ``digest`` hashes the fields before it: every rank checks ``max(digest) == -max(-digest)``
-  (all active ranks agree) and the digest itself (it is an announcement, not another
-  joinable's collective), and raises the same error if not.  Then the operation runs, joined
-  ranks contributing the identity of the op, zero rows, or only receiving.  Small operations
-  travel in the announcement itself (one collective, not two): a MAX, MIN, LAND or LOR
-  allreduce of up to 8 host values, as int64 keys in the order of the values (the int64
-  minimum is MAX's identity), and a broadcast of up to 64 bytes whose root is known (an int,
-  or the highest active rank learnt from an earlier announcement with the same count of
-  active ranks: in one Join, the same count is the same ranks), only the root writing its bytes.
-  The iteration ends with an announcement of kind END, sent before the next heartbeat or when
-  the rank joins.  A joined rank's hook follows the announcements until END, so it needs no
-  recording of the past: a rank with zero iterations, or a loop whose collectives change,
-  works.
+Small operations travel in the announcement itself (one collective, not two): a MAX, MIN,
+LAND or LOR allreduce of up to 8 host values, as int64 keys in the order of the values (the
+int64 minimum is MAX's identity), and a broadcast of up to 64 bytes whose root is known (an
+int, the last rank while every rank is active, or the highest active rank learnt from an
+earlier announcement with the same count of active ranks: in one Join, the same count is the
+same ranks), only the root writing its bytes.  Other operations follow their announcement:
+
+- every rank active (the heartbeat's count ``n == size``, read after the first announcement
+  so that the two overlap), and outside an enabled Join: ``allreduce`` and ``bcast`` of a host
+  array of at most :data:`~tensorplay_mpi.comm.persistent.MAX_BYTES` bytes through a persistent
+  collective, else one ``Iallreduce`` / ``Ibcast``; ``allgather`` an ``Iallgather`` of
+  ``[row count, digest of dtype and trailing shape]``, then an ``Iallgatherv``;
+- ``n < size``: the same nonblocking collectives, joined ranks contributing the identity of
+  the op, zero rows, or only receiving.  The iteration ends with an announcement of kind END,
+  sent before the next heartbeat or when the rank joins.  A joined rank's hook follows the
+  announcements until END, so it needs no recording of the past: a rank with zero
+  iterations, or a loop whose collectives change, works.
 
 Arguments are checked on every rank before any collective, the same way in both modes.  Inputs
 in any layout are sent in C order (copied when they are not C-contiguous); an ``out`` that is
@@ -41,8 +44,10 @@ from mpi4py import MPI
 from ..comm.agreement import KINDS, agree_on_setting, kind_code
 from ..comm.buffers import device_of, is_device_array, misordered, zeros_like
 from ..comm.collectives import OPS, Work, iallgather, iallgatherv, iallreduce, ibcast
+from ..comm import torch_cuda
 from ..comm.persistent import MAX_BYTES, SPINS, PersistentCollectives, enabled
 from ..comm.tensors import as_array, is_tensor, like
+from ..errors import CollectiveMismatchError
 from ..threads import oversubscribed
 from . import announcements as wire
 from .guarded_joinable import GuardedJoinable
@@ -174,7 +179,8 @@ class JoinableComm(GuardedJoinable):
 
     def announce_block(self, index: int) -> None:
         """Announce joinable `index`'s block of collectives (see :meth:`Join.announce`)."""
-        if self._announces():
+        self._start_operation()
+        if self._ranks_joined():
             self._announce(wire.BLOCK, count=index)
 
     def _next_iteration(self, side: str) -> None:
@@ -189,17 +195,19 @@ class JoinableComm(GuardedJoinable):
             self._begin(join)  # an iteration without operations ends with END all the same
         if self._owner is not None and join is self._owner:  # not after an error
             self._wait_all(self._works)
-            if self._announces():
+            self._start_operation()
+            if self._ranks_joined():
                 self._announce(wire.END)
         self._works.clear()
         self._owner = self._announcing = None
         self._others = []
 
-    def _announces(self) -> bool:
-        """Whether this operation is announced (ranks have joined); checks begin_iteration()."""
+    def _start_operation(self) -> None:
+        """What precedes every operation and announcement: begin the iteration of a Join that
+        another joinable leads, check ``begin_iteration()``, start the buckets that are ready."""
         join = self.join_context
         if join is not None and join.runs_everywhere:
-            return False  # on_save, update=: every rank issues it here, a plain collective
+            return  # on_save, update=: every rank issues it here, as outside a Join
         if join is not self._owner and self._follows_leader(join):
             if join.iterations == 0:
                 raise RuntimeError(
@@ -216,16 +224,21 @@ class JoinableComm(GuardedJoinable):
                                    "inside a Join, before its first operation")
             self._owner = self._announcing = None  # outside an enabled Join: retain nothing
             self._works.clear()
-            return False
-        if join is None:
-            return False
+            return
         for other in self._others:  # buckets ready now start before this operation, on
             other.start_ready()  # every rank: the order never depends on timing
-        announcing = self._announcing
-        if announcing is None:  # the iteration's first operation: wait for the heartbeat
+
+    def _ranks_joined(self) -> bool:
+        """Whether ranks have joined in this iteration (waits for the heartbeat once per
+        iteration): the data then goes where joined ranks follow.  False outside an enabled
+        Join and in code that every rank runs (``on_save``, ``update=``)."""
+        join = self.join_context
+        if self._owner is None or join is not self._owner or join.runs_everywhere:
+            return False
+        if self._announcing is None:  # the first need in this iteration: the heartbeat
             self._active = join.active_ranks()
-            announcing = self._announcing = self._active < self.size
-        return announcing
+            self._announcing = self._active < self.size
+        return self._announcing
 
     def _own(self, work: Work) -> Work:
         if self._owner is not None:  # completed at the end of the iteration
@@ -235,20 +248,36 @@ class JoinableComm(GuardedJoinable):
     # -- announcements -----------------------------------------------------------------------
 
     def _refuse(self, error: Exception) -> NoReturn:
-        """Raise `error`, a bad argument; when ranks have joined, announce it to them first."""
-        if self._announces():
+        """Raise `error`, a bad argument, after announcing it: the other ranks raise too (the
+        same kind where they refused as well, else :class:`CollectiveMismatchError`)."""
+        self._start_operation()
+        try:
             self._announce(wire.REFUSED, kind_code(error))  # the code in the op field
+        except CollectiveMismatchError as mismatch:
+            raise error from mismatch
         raise error
 
     def _announce(self, kind: int, op: int = 0, code: int = 0, root: int = -1, count: int = 0,
                   rows: int = 0, payload: np.ndarray | None = None, writer: int = -1) -> tuple:
         """Announce an operation, with the `payload` of every active rank (MAX-reduced), or
-        only of rank `writer`: what every rank then finds in the announcement's payload."""
+        only of rank `writer`: what every rank then finds in the announcement's payload.
+
+        Raises
+        ------
+        CollectiveMismatchError
+            On every rank, if the active ranks did not announce the same operation; this
+            rank's message names its own call.
+        """
         writes = payload is not None and (writer == -1 or writer == self.rank)
-        wire.encode(self._announcement, (kind, op, code, root, count, rows), self.rank,
-                    payload if writes else None)
-        values = self._exchange_announcement()
-        self._highest = (self._owner, self._active, values[wire.RANK])
+        fields = (kind, op, code, root, count, rows)
+        wire.encode(self._announcement, fields, self.rank, payload if writes else None)
+        try:
+            values = self._exchange_announcement()
+        except CollectiveMismatchError as error:
+            raise CollectiveMismatchError(
+                f"{error} This rank called {wire.describe(fields)}.") from None
+        if self._announcing:  # the count of active ranks read in this iteration
+            self._highest = (self._owner, self._active, values[wire.RANK])
         return values
 
     def _follow_announcement(self) -> tuple:
@@ -303,29 +332,36 @@ class JoinableComm(GuardedJoinable):
             out, result = _output(x, out, given)
         except (TypeError, ValueError) as error:
             self._refuse(error)
-        if x.dtype.kind == "f" and op_code in (wire.MAX_CODE, wire.MIN_CODE) \
-                and type(x) is np.ndarray:
-            keys = wire.float_keys(x, op_code == wire.MAX_CODE)  # NaN: the same on every rank
-            self._allreduce(keys, op, keys, True)
-            out[...] = wire.float_values(keys, x.dtype).reshape(x.shape)
-            return result if wait else _completed(result, f"allreduce ({self._where}, floats "
-                                                          "ordered as integers)")
-        if self._announces():
-            reverse = wire.carried_op(x, op_code)
-            if reverse is not None:  # small and ordered: the announcement carries the data
-                self._announce(wire.CARRIED_ALLREDUCE, op_code, code, count=x.size,
-                               payload=wire.order_keys(x, reverse))
-                keys = self._announcement[wire.PAYLOAD_AT:wire.PAYLOAD_AT + x.size]
-                out[...] = wire.from_order_keys(keys, x.dtype, reverse).reshape(x.shape)
-                return result if wait else _completed(result, f"allreduce ({self._where}, "
-                                                              "carried)")
-            self._announce(wire.ALLREDUCE, op_code, code, count=x.size)
-        elif wait and self._persistent is not None and _fits_persistent(x):
-            self._persistent.allreduce(x, out, op, op_code, f"allreduce ({self._where})")
-            return result
-        send = MPI.IN_PLACE if out is x else x
-        work = self._own(iallreduce(self.comm, send, result, op, f"allreduce ({self._where})"))
-        return self._wait(work) if wait else work
+        self._start_operation()
+        floats = x.dtype.kind == "f" and op_code in (wire.MAX_CODE, wire.MIN_CODE) \
+            and type(x) is np.ndarray  # NaN: the same on every rank, through ordered keys
+        data = wire.float_keys(x, op_code == wire.MAX_CODE) if floats else x
+        reverse = wire.carried_op(data, op_code)
+        if reverse is not None:  # small and ordered: the announcement carries the data
+            self._announce(wire.CARRIED_ALLREDUCE, op_code, wire.DTYPE_CODES[data.dtype],
+                           count=x.size, rows=_variant(False, floats),
+                           payload=wire.order_keys(data, reverse))
+            keys = self._announcement[wire.PAYLOAD_AT:wire.PAYLOAD_AT + x.size]
+            data = wire.from_order_keys(keys, data.dtype, reverse)
+        else:
+            persistent = (wait or floats) and _fits_persistent(data)
+            self._announce(wire.ALLREDUCE, op_code, code if data is x else
+                           wire.DTYPE_CODES[data.dtype], count=x.size,
+                           rows=_variant(persistent, floats))
+            what = f"allreduce ({self._where})"
+            if persistent and self._persistent is not None and not self._ranks_joined():
+                self._persistent.allreduce(data, data if floats else out, op, op_code, what)
+            elif floats:
+                self._wait(iallreduce(self.comm, MPI.IN_PLACE, data, op, what))
+            else:
+                send = MPI.IN_PLACE if out is x else x
+                work = self._own(iallreduce(self.comm, send, result, op, what))
+                return self._wait(work) if wait else work
+            if not floats:
+                return result if wait else _completed(result, what)
+        out[...] = (wire.float_values(data, x.dtype) if floats else data).reshape(x.shape)
+        return result if wait else _completed(result, f"allreduce ({self._where}, in the "
+                                                      "announcement or as ordered integers)")
 
     def iallgather(self, rows: Any) -> Work:
         """Start a gather of every active rank's rows, in rank order; the result is an array.
@@ -344,9 +380,8 @@ class JoinableComm(GuardedJoinable):
         except (TypeError, ValueError) as error:
             self._refuse(error)
         row_digest = wire.digest((code,) + rows.shape[1:])
-        if self._announces():
-            self._announce(wire.ALLGATHER, 0, code, count=math.prod(rows.shape[1:]),
-                           rows=row_digest)
+        self._start_operation()
+        self._announce(wire.ALLGATHER, 0, code, count=math.prod(rows.shape[1:]), rows=row_digest)
         return self._own(self._gather_rows(rows, row_digest, given))
 
     def allgather(self, rows: Any) -> Any:
@@ -394,23 +429,24 @@ class JoinableComm(GuardedJoinable):
             _check_root(target, highest or 0 <= target < self.size)
         except (TypeError, ValueError) as error:
             self._refuse(error)
-        if self._announces():
-            writer = self._carrier(x, target)
-            if writer is not None:  # small, and its root known: the announcement carries it
-                words = np.frombuffer(x.tobytes().ljust(8 * wire.PAYLOAD, b"\0"), np.int64)
-                values = self._announce(wire.CARRIED_BCAST, 0, code, target, x.size,
-                                        payload=words, writer=writer)
-                _check_root(target, highest or values[wire.ROOT_IS_ME] == 1)
-                data = self._announcement[wire.PAYLOAD_AT:].tobytes()[:x.nbytes]
-                out[...] = np.frombuffer(data, x.dtype).reshape(x.shape)
-                return result if wait else _completed(result, f"bcast ({self._where}, carried)")
-            values = self._announce(wire.BCAST, 0, code, target, x.size)
+        self._start_operation()
+        writer = self._carrier(x, target)
+        if writer is not None:  # small, and its root known: the announcement carries it
+            words = np.frombuffer(x.tobytes().ljust(8 * wire.PAYLOAD, b"\0"), np.int64)
+            values = self._announce(wire.CARRIED_BCAST, 0, code, target, x.size,
+                                    payload=words, writer=writer)
+            _check_root(target, highest or values[wire.ROOT_IS_ME] == 1)
+            data = self._announcement[wire.PAYLOAD_AT:].tobytes()[:x.nbytes]
+            out[...] = np.frombuffer(data, x.dtype).reshape(x.shape)
+            return result if wait else _completed(result, f"bcast ({self._where}, carried)")
+        persistent = wait and _fits_persistent(x)
+        values = self._announce(wire.BCAST, 0, code, target, x.size, rows=int(persistent))
+        if self._ranks_joined():
             target = values[wire.RANK] if highest else target
             _check_root(target, highest or values[wire.ROOT_IS_ME] == 1)
         else:
-            if highest:
-                target = self.size - 1
-            if wait and self._persistent is not None and _fits_persistent(x):
+            target = self.size - 1 if highest else target
+            if persistent and self._persistent is not None:
                 self._persistent.bcast(x, out, target, f"bcast from {target} ({self._where})")
                 return result
         if self.rank == target and out is not x:
@@ -420,11 +456,14 @@ class JoinableComm(GuardedJoinable):
 
     def _carrier(self, x: Any, root: int) -> int | None:
         """The rank whose small `x` an announcement carries: `root`, or the highest active
-        rank when known (the same count of active ranks in one Join is the same ranks)."""
+        rank when known: every rank's while none has joined, else the one an earlier
+        announcement named with the same count of active ranks (in one Join, the same ranks)."""
         if type(x) is not np.ndarray or x.nbytes > 8 * wire.PAYLOAD:
             return None
         if root != -1:
             return root
+        if not self._ranks_joined():
+            return self.size - 1
         join, active, highest = self._highest
         return highest if join is self._owner and active == self._active else None
 
@@ -440,7 +479,8 @@ class JoinableComm(GuardedJoinable):
         """`x` as an array MPI can send: C-ordered (a copy if it was not), on its device; a
         torch tensor or a CPU DLPack exporter as the NumPy (CuPy) view of its memory; a host array
         of another ndarray type (``np.memmap``, ``np.matrix``) as a plain view, so that the
-        path an operation takes never depends on one rank's array type."""
+        path an operation takes never depends on one rank's array type.  A torch CUDA
+        tensor's memory is read after torch's pending kernels (:func:`.torch_cuda.take`)."""
         if isinstance(x, np.ndarray) and not is_device_array(x):
             x = x.view(np.ndarray)
         elif type(x) is not np.ndarray:
@@ -448,6 +488,7 @@ class JoinableComm(GuardedJoinable):
             if not hasattr(x, "dtype") or not hasattr(x, "shape"):
                 return np.asarray(x)
             self.device = device_of(x)
+            torch_cuda.take()  # nothing unless torch CUDA tensors are in use
         return x if misordered(x) is None else x.copy(order="C")
 
     # -- Joinable ------------------------------------------------------------------------------
@@ -489,6 +530,8 @@ def _output(x: Any, out: Any, given: Any) -> tuple[Any, Any]:
             and out.flags.writeable):  # the common case: no more to check (two arrays
         return out, out  # without a base cannot overlap)
     result, out = out, as_array(out, "out")
+    if is_device_array(out):
+        torch_cuda.take()  # written after torch's pending kernels on a torch CUDA tensor
     _refuse_read_only(out)
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must be shaped and typed like the input: {x.shape} {x.dtype}, "
@@ -513,6 +556,13 @@ def _refuse_read_only(out: Any) -> None:
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError("out is read-only, and the result is written into it: pass a "
                          "writeable array, or none")
+
+
+def _variant(persistent: bool, floats: bool) -> int:
+    """The announced variant of an allreduce (in the row digest's field): whether it goes
+    through a persistent collective while every rank is active, and whether its floats travel
+    as ordered integers.  Active ranks must agree on both."""
+    return int(persistent) | int(floats) << 1
 
 
 def _check_root(root: int, active: bool) -> None:

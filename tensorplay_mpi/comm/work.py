@@ -49,8 +49,12 @@ _LIKELY_CAUSES = (
     "Likely causes: (1) a joinable missing from the Join's list, so joined ranks do not "
     "shadow its collectives (Join([dp, opt]) with every optimizer, ZeroRedundancyOptimizer "
     "and JoinableComm in it); (2) a collective of your own (comm.Allreduce, comm.bcast, ...) "
-    "inside a Join, which joined ranks cannot shadow: use a JoinableComm; (3) dp.step() with "
-    "uneven inputs outside a Join; (4) a rank that stalls or died outside the library."
+    "inside a Join, which joined ranks cannot shadow: use a JoinableComm; (3) a JoinableComm "
+    "operation that some active ranks do not call (a call inside a branch taken on some ranks "
+    "only, a different number of calls per iteration), or jc.begin_iteration() called more "
+    "or fewer times on some ranks; (4) dp.step() with uneven inputs outside a Join; (5) a "
+    "rank that stalls or died outside the library.  (Calls that every rank makes but with "
+    "another dtype, element count, op or root raise CollectiveMismatchError instead.)"
 )
 _DEBUG_HINT = " TENSORPLAY_MPI_DEBUG=1 names the first mismatched library collective."
 

@@ -157,6 +157,47 @@ def test_joinable_comm_hands_back_device_tensors(comm, place):
     assert_all(right, "a device allreduce went wrong")
 
 
+def completed(work):
+    work.wait()
+    return work.result()
+
+
+JC_ENTRY_POINTS = {
+    "allreduce": lambda jc, x: jc.allreduce(x),
+    "iallreduce": lambda jc, x: completed(jc.iallreduce(x)),
+    "allreduce out=": lambda jc, x: jc.allreduce(x.contiguous(), out=x.contiguous()),
+    "bcast": lambda jc, x: jc.bcast(x, root=0),
+    "ibcast": lambda jc, x: completed(jc.ibcast(x, root=0)),
+    "allgather": lambda jc, x: jc.allgather(x),
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("entry", JC_ENTRY_POINTS)
+def test_joinable_comm_reads_device_tensors_after_torchs_kernels(comm, entry):
+    """Every JoinableComm entry point orders CuPy's stream after torch's (a take) before it
+    reads a torch CUDA tensor: a transposed one is copied to C order on CuPy's stream first.
+    The result equals NumPy's on the same values."""
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        use_torch_cuda_standin(monkeypatch)
+        jc = JoinableComm(comm)
+        base = torch.arange(12, dtype=torch.float64).reshape(3, 4) + comm.rank
+        x = fake_cuda(base.t() if entry != "allreduce out=" else base)  # not C-ordered
+        values = x.numpy().copy()  # before an in-place result overwrites it
+        TorchCounters.reset()
+        got = JC_ENTRY_POINTS[entry](jc, x)
+        takes = TorchCounters.takes
+    finally:
+        monkeypatch.undo()
+    ranks = range(comm.size)
+    expected = {"bcast": values - comm.rank, "ibcast": values - comm.rank,
+                "allgather": np.concatenate([values - comm.rank + r for r in ranks])}.get(
+        entry, sum(values - comm.rank + r for r in ranks))
+    right = np.array_equal(torch.as_tensor(got).numpy(), expected)
+    assert_all(takes >= 1 and right, f"{entry}: {takes} takes, result right: {right}")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_sync_batchnorm_on_the_device_equals_batchnorm_over_the_global_batch(comm, place):
     """SyncBatchNorm on CUDA inputs of uneven sizes: the output, the input's gradient and the

@@ -7,9 +7,9 @@ from helpers import PROGRAMS, HostSubclass, results, rss_bytes
 from mpi4py import MPI
 from toys import AllReducer
 
-from tensorplay_mpi import Join, JoinableComm
+from tensorplay_mpi import CollectiveMismatchError, Join, JoinableComm
 from tensorplay_mpi.algorithms.announcements import SLOTS, decode, digest
-from tensorplay_mpi.testing import assert_all, raises_everywhere, run_mpi
+from tensorplay_mpi.testing import assert_all, raises_everywhere, reset_settings, run_mpi
 
 PROGRAM = str(PROGRAMS / "jc_misuse.py")
 MODES = ["every rank active", "rank 0 joined"]
@@ -224,3 +224,78 @@ def test_two_joinable_comms_in_one_join_are_refused_and_the_first_still_works(co
             total = first.allreduce(np.ones(2))
     assert_all(np.array_equal(total, np.full(2, comm.size - (comm.rank != 0))),
                f"the last allreduce gave {total}")
+
+
+MISMATCHES = {  # rank r's call in the mismatched iteration: odd and even active ranks differ
+    "dtype": lambda jc, r: jc.allreduce(np.ones(4, np.float32 if r % 2 else np.float64)),
+    "element count": lambda jc, r: jc.allreduce(np.ones(4 + r % 2)),
+    "op": lambda jc, r: jc.allreduce(np.ones(4), MPI.MAX if r % 2 else MPI.SUM),
+    "op of a carried MAX": lambda jc, r: jc.allreduce(np.ones(2, np.int64),
+                                                      MPI.MIN if r % 2 else MPI.MAX),
+    "float MAX against int MAX": lambda jc, r: jc.allreduce(
+        np.ones(2, np.float64 if r % 2 else np.int64), MPI.MAX),
+    "root": lambda jc, r: jc.bcast(np.full(4, float(r)), root=r % 2),
+    "root of a large bcast": lambda jc, r: jc.bcast(np.ones(1000), root=r % 2),
+    "kind": lambda jc, r: jc.bcast(np.ones(4)) if r % 2 else jc.allreduce(np.ones(4)),
+    "allgather against allreduce": lambda jc, r: (jc.allgather(np.ones((2, 4))) if r % 2
+                                                  else jc.allreduce(np.ones(8))),
+    "large element count": lambda jc, r: jc.allreduce(np.ones(100_000 + r % 2)),
+}
+PATHS = ["outside a Join", "every rank active", "rank 0 joined"]
+
+
+@pytest.fixture
+def default_settings(monkeypatch):
+    """The library as users run it: without the test plugin's debug mode (whose signature
+    checks would catch a mismatch on their own)."""
+    monkeypatch.setenv("TENSORPLAY_MPI_DEBUG", "0")
+    reset_settings()
+    yield
+    monkeypatch.undo()
+    reset_settings()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mismatch", MISMATCHES)
+def test_calls_that_differ_between_ranks_raise_everywhere_and_return_nothing(
+        default_settings, comm, mismatch, path):
+    """Default settings: a call whose kind, dtype, element count, op or root differs between
+    active ranks raises CollectiveMismatchError on every rank, joined ones included, in the
+    third iteration as in the first, on the persistent, plain and announced paths; no rank
+    gets a value (raw MPI would return garbage, or hang)."""
+    if path == "rank 0 joined" and comm.size < 3:
+        pytest.skip("two active ranks must differ while rank 0 has joined: needs 3 ranks")
+    jc, call = JoinableComm(comm), MISMATCHES[mismatch]
+    returned = []
+
+    def iteration(t):
+        good = jc.allreduce(np.ones(3))  # the same on every rank: fine
+        assert np.array_equal(good, np.full(3, float(active))), good
+        if t == 2:
+            returned.append(call(jc, comm.rank))
+
+    active = comm.size - (path == "rank 0 joined")
+    with raises_everywhere(CollectiveMismatchError):
+        if path == "outside a Join":
+            for t in range(3):
+                iteration(t)
+        else:
+            with Join([jc]):
+                for t in range(3 if comm.rank or path == "every rank active" else 0):
+                    jc.begin_iteration()
+                    iteration(t)
+    assert_all(not returned, f"a mismatched call returned {returned}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_argument_on_one_rank_raises_there_and_is_a_mismatch_elsewhere(
+        default_settings, comm):
+    """Rank 0 passes a bad op; the others a good call: rank 0 raises its TypeError, the others
+    CollectiveMismatchError (they cannot know the argument), none hangs."""
+    jc = JoinableComm(comm)
+    with raises_everywhere(TypeError if comm.rank == 0 else CollectiveMismatchError):
+        with Join([jc]):
+            for _ in range(2):
+                jc.begin_iteration()
+                jc.allreduce(np.ones(4), "SUM" if comm.rank == 0 else MPI.SUM)

@@ -9,7 +9,6 @@ from mpi4py import MPI
 from tensorplay_mpi import DataParallel, Join, JoinableComm
 from tensorplay_mpi.comm import persistent
 from tensorplay_mpi.errors import CollectiveMismatchError
-from tensorplay_mpi.settings import settings
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere, reset_settings
 
 
@@ -130,17 +129,14 @@ def test_an_ndarray_subclass_on_one_rank_takes_the_same_path(comm, op):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("op", ["allreduce", "bcast"])
-def test_a_persistent_collective_against_a_nonblocking_one_is_a_mismatch_in_debug_mode(
-        comm, op):
+def test_a_persistent_collective_against_a_nonblocking_one_is_a_mismatch(comm, op):
     """Rank 0 waits on the i-variant where the others call the blocking method (persistent):
-    they would never match; debug mode (the plugin's) names it on every rank instead."""
+    they would never match; the announcement names it on every rank instead, by default."""
     if not persistent.enabled():
         pytest.skip("no persistent collectives here (TENSORPLAY_MPI_PERSISTENT=0 or MPI < 4)")
-    if not settings().debug:
-        pytest.skip("TENSORPLAY_MPI_DEBUG=0 in the environment: there is no check to test")
     jc = JoinableComm(comm)
-    x = np.ones(4)
-    with raises_everywhere(CollectiveMismatchError, match=f"persistent {op}"):
+    x = np.ones(16)  # 128 bytes: too large for the announcement to carry a broadcast
+    with raises_everywhere(CollectiveMismatchError, match="allreduce against iallreduce"):
         if comm.rank == 0:
             (jc.iallreduce(x) if op == "allreduce" else jc.ibcast(x, root=0)).wait()
         else:
