@@ -174,17 +174,33 @@ def float_values(keys: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return (keys ^ ((keys >> shift) & limits.max)).view(dtype)
 
 
+_ROWS: dict[tuple, tuple[np.ndarray, bytes, tuple]] = {}  # (fields, rank): the row (payload
+# NOBODY), its checked words as bytes and as a tuple
+_ROWS_KEPT = 256  # rows kept; a loop repeats a few signatures
+_CHECKED = FIELDS + 2  # the words that must come back unchanged when every rank agrees
+
+
 def encode(announcement: np.ndarray, fields: tuple, rank: int,
-           payload: np.ndarray | None = None) -> None:
+           payload: np.ndarray | None = None) -> tuple:
     """Write this active rank's announcement of the operation `fields` (kind, op, dtype code,
     root, count, row digest) into `announcement` (:data:`SLOTS` int64), with `payload`, if
-    any, at the start of the payload words (the others :data:`NOBODY`)."""
-    fields = tuple(fields)
-    signature = digest(covered(fields))
-    announcement[:PAYLOAD_AT] = fields + (signature, -signature, int(rank == fields[3]), rank)
-    announcement[PAYLOAD_AT:] = NOBODY
+    any, at the start of the payload words (the others :data:`NOBODY`).
+
+    Returns what :func:`decode` checks quickly: the checked words as bytes and as a tuple;
+    they are made once per signature."""
+    key = (fields, rank)
+    made = _ROWS.get(key)
+    if made is None:
+        signature = digest(covered(fields))
+        row = np.full(SLOTS, NOBODY, np.int64)
+        row[:PAYLOAD_AT] = fields + (signature, -signature, int(rank == fields[3]), rank)
+        if len(_ROWS) >= _ROWS_KEPT:
+            _ROWS.clear()
+        made = _ROWS[key] = (row, row[:_CHECKED].tobytes(), tuple(row[:_CHECKED].tolist()))
+    np.copyto(announcement, made[0])
     if payload is not None:
         announcement[PAYLOAD_AT:PAYLOAD_AT + payload.size] = payload
+    return made
 
 
 _NAMES = {END: "the end of an iteration", ALLREDUCE: "allreduce", ALLGATHER: "allgather",
@@ -209,7 +225,7 @@ def describe(fields: tuple) -> str:
     return what
 
 
-def decode(announcement: np.ndarray, size: int, what: str) -> tuple:
+def decode(announcement: np.ndarray, size: int, what: str, sent: tuple | None = None) -> tuple:
     """The fields of a MAX-reduced `announcement` over `size` ranks, checked the same way on
     every rank.
 
@@ -222,6 +238,9 @@ def decode(announcement: np.ndarray, size: int, what: str) -> tuple:
     RuntimeError
         If it names no valid operation.
     """
+    if sent is not None and announcement[:_CHECKED].tobytes() == sent[1]:
+        # this rank's own operation came back: every active rank announced it (a valid one)
+        return sent[2] + (int(announcement[ROOT_IS_ME]), int(announcement[RANK]))
     values = tuple(announcement[:PAYLOAD_AT].tolist())
     kind, op, code, root, count, rows = fields = values[:FIELDS]
     signature, negated = values[FIELDS:FIELDS + 2]

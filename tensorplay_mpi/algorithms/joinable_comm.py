@@ -270,9 +270,9 @@ class JoinableComm(GuardedJoinable):
         """
         writes = payload is not None and (writer == -1 or writer == self.rank)
         fields = (kind, op, code, root, count, rows)
-        wire.encode(self._announcement, fields, self.rank, payload if writes else None)
+        sent = wire.encode(self._announcement, fields, self.rank, payload if writes else None)
         try:
-            values = self._exchange_announcement()
+            values = self._exchange_announcement(sent)
         except CollectiveMismatchError as error:
             raise CollectiveMismatchError(
                 f"{error} This rank called {wire.describe(fields)}.") from None
@@ -285,15 +285,16 @@ class JoinableComm(GuardedJoinable):
         self._announcement.fill(wire.NOBODY)
         return self._exchange_announcement()
 
-    def _exchange_announcement(self) -> tuple:
-        """The announcement allreduce, then the fields every rank checks the same way."""
+    def _exchange_announcement(self, sent: tuple | None = None) -> tuple:
+        """The announcement allreduce, then the fields every rank checks the same way (quickly
+        where they are this rank's own `sent` row: :func:`.announcements.decode`)."""
         what = f"announcement ({self._where})"
         if self._persistent is not None:  # every rank announces or follows: the same request
             self._persistent.allreduce_in_place(self._announcement, MPI.MAX, what)
         else:
             iallreduce(self.comm, MPI.IN_PLACE, self._announcement, MPI.MAX, what).wait_or_abort(
                 self.timeout)
-        return wire.decode(self._announcement, self.size, f"rank {self.rank}: the {what}")
+        return wire.decode(self._announcement, self.size, f"rank {self.rank}: the {what}", sent)
 
     # -- operations ------------------------------------------------------------------------
 
