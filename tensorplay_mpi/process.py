@@ -18,7 +18,11 @@ that it runs before ``MPI_Finalize``): the operations still pending in the regis
 the persistent requests still kept are freed (:func:`tensorplay_mpi.comm.persistent.free_all`),
 and the stop signals of :func:`~tensorplay_mpi.stopping.keep_stop_signals` are ignored from
 then on (a signal during ``MPI_Finalize`` would otherwise end a finished job with its default
-action).
+action).  A program that calls ``MPI.Finalize()`` itself (a stop's exit with status 75) gets the
+first two from within it: an attribute on ``COMM_SELF``, set once, whose delete callback
+``MPI_Finalize`` runs before it finalizes.  After an uncaught exception under ``python -m
+mpi4py`` (its traceback printed, the job about to be aborted), operations still pending abort
+the job without a report of their own: they belong to the failure already printed.
 
 An uncaught exception on one rank of a multi-rank job, outside any library call, leaves the
 other ranks waiting in their next collective until their deadline.  ``python -m mpi4py``, the
@@ -81,6 +85,7 @@ def set_up(comm: MPI.Intracomm | None = None) -> None:
         If every task of the job started as a singleton MPI job.
     """
     current = settings()
+    _free_at_finalize()
     check_launch()
     if current.excepthook:
         install_excepthook()
@@ -253,12 +258,59 @@ def _at_exit() -> None:
     requests still kept, and ignore the stop signals that keep_stop_signals() kept (Python
     gives them their default action back before mpi4py finalizes MPI); under a fault-tolerant
     launch, first arm the exit's watchdog (:data:`~tensorplay_mpi.comm.fault_tolerance.
-    FINALIZE_WATCHDOG_S`)."""
+    FINALIZE_WATCHDOG_S`).  After an uncaught exception that ``python -m mpi4py`` printed,
+    operations still pending end the job without a report of their own
+    (:func:`_abort_quietly_after`)."""
     if fault_tolerance()[0]:  # the exit after a lost rank: never a silent hang
         faulthandler.dump_traceback_later(FINALIZE_WATCHDOG_S, exit=True)
+    _abort_quietly_after(_uncaught_under_mpi4py())
     complete_all_at_exit()
     free_all()
     ignore_kept_signals()
 
 
+def _uncaught_under_mpi4py() -> BaseException | None:
+    """The uncaught exception that ends this process, where ``python -m mpi4py`` runs it
+    (it has printed the traceback and aborts the job after the exit hooks), else ``None``."""
+    if "mpi4py.run" not in sys.modules:
+        return None
+    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return error if isinstance(error, BaseException) else None
+
+
+def _abort_quietly_after(error: BaseException | None) -> None:
+    """Abort the job, printing nothing, when `error` ends the process (its traceback is this
+    rank's message) and library operations are still pending: they belong to that failure (a
+    communicator it left unusable, peers that will not match them), and the job ends anyway;
+    a report of them, or a wait for them, would only bury the error."""
+    if error is None or not outstanding_requests():
+        return
+    status = 130 if isinstance(error, KeyboardInterrupt) else 1  # as mpi4py's abort
+    time.sleep(_REPORT_GRACE_S)  # the launcher forwards every rank's traceback first
+    MPI.COMM_WORLD.Abort(status)
+    os._exit(status)  # MPICH's MPI_Abort returns on a rank whose job another rank aborts
+
+
+def _at_finalize(comm: MPI.Comm, keyval: int, value: object) -> None:
+    """The delete callback of this process's attribute on ``COMM_SELF``: ``MPI_Finalize``
+    deletes those first, so an explicit ``MPI.Finalize()`` (docs/stopping.md) completes the
+    pending operations and frees the persistent requests before MPI finalizes, as the exit
+    hook does for an implicit one (where mpi4py no longer calls Python)."""
+    complete_all_at_exit()
+    free_all()
+
+
+_finalize_keyval: int | None = None
+
+
+def _free_at_finalize() -> None:
+    """Set the ``COMM_SELF`` attribute whose deletion runs :func:`_at_finalize`, once, where
+    MPI is initialized (at import, else at the first :func:`set_up`)."""
+    global _finalize_keyval
+    if _finalize_keyval is None and MPI.Is_initialized() and not MPI.Is_finalized():
+        _finalize_keyval = MPI.Comm.Create_keyval(delete_fn=_at_finalize)
+        MPI.COMM_SELF.Set_attr(_finalize_keyval, True)
+
+
 atexit.register(_at_exit)  # after mpi4py's own: runs before MPI_Finalize
+_free_at_finalize()

@@ -16,8 +16,10 @@ none: :class:`~tensorplay_mpi.algorithms.joinable_comm.JoinableComm` for host ar
 announcements (one request bound to the announcement buffer).
 
 The requests are freed when their :class:`PersistentCollectives` is collected, and those
-still alive at exit by :func:`free_all` (the process's exit hook, before ``MPI_Finalize``), so
-MPI never finds a persistent request left at finalization.
+still alive at the end by :func:`free_all`: from the process's exit hook, before mpi4py's
+``MPI_Finalize``, and from within an explicit ``MPI.Finalize()`` (the delete callback of an
+attribute on ``COMM_SELF``, which ``MPI_Finalize`` runs first), so MPI never finds a persistent
+request left at finalization (MPICH prints a line for each).
 
 ``TENSORPLAY_MPI_PERSISTENT``: ``auto`` (the default: where the library supports them), ``0``
 (plain nonblocking collectives, as with Open MPI 4 or Debian's mpi4py 3) or ``1`` (a
@@ -192,7 +194,7 @@ class PersistentCollectives:
 
 
 def free_all() -> None:
-    """Free the requests of every live :class:`PersistentCollectives` (at exit, before
-    ``MPI_Finalize``)."""
+    """Free the requests of every live :class:`PersistentCollectives` (at exit, or within
+    ``MPI_Finalize`` before it finalizes: :mod:`tensorplay_mpi.process`)."""
     for collectives in list(_live):
         collectives.free()

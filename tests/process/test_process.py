@@ -4,13 +4,15 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import PROGRAMS, results
 from mpi4py import MPI
 
 from tensorplay_mpi import SGD, request_save, request_stop, save_requested, stop_requested
 from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.process import reset_state, set_up
 from tensorplay_mpi.settings import settings
-from tensorplay_mpi.testing import reset_between_tests, reset_process_state, reset_settings
+from tensorplay_mpi.testing import (reset_between_tests, reset_process_state, reset_settings,
+                                    run_mpi)
 from tensorplay_mpi.threads import decision, limit_threads
 
 
@@ -98,3 +100,37 @@ def test_one_scope_may_be_named_alone():
     request_stop("test")
     reset_state("requests")
     assert stop_requested() is None
+
+
+# -- how a job ends: one clear message per rank -------------------------------------------------
+
+QUIET_EXIT = str(PROGRAMS / "quiet_exit.py")
+THREAD_NOTE = "tensorplay_mpi: BLAS/OpenMP threads limited"
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_a_stop_ended_as_the_docs_say_prints_nothing_but_its_results(nprocs):
+    """``MPI.Finalize()`` then ``sys.exit(75)`` (docs/stopping.md): the library's persistent
+    requests are freed before MPI finalizes (MPICH printed a "freeing inactive persistent
+    request" line for each one left)."""
+    result = run_mpi(nprocs, [QUIET_EXIT, "stop"], timeout=90)
+    assert result.returncode == 75, (result.stdout, result.stderr)
+    assert sorted(results(result.stdout)) == list(range(nprocs)), result.stdout
+    noise = [line for line in result.stderr.splitlines() if not line.startswith(THREAD_NOTE)]
+    assert noise == [], result.stderr
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_an_exception_in_one_ranks_loop_prints_one_error_per_rank(nprocs):
+    """Rank 1 raises, uncaught (``python -m mpi4py`` then aborts the job), and the others a
+    PeerFailureError: each rank's traceback, once, and no report from an exit hook of the
+    operations that the failure left pending (it is the same failure).  The ranks' lines may
+    interleave in the job's output: the checks count whole writes, not lines."""
+    result = run_mpi(nprocs, [QUIET_EXIT, "raise"], timeout=90)
+    assert result.returncode != 0, (result.stdout, result.stderr)
+    assert result.stderr.count("Traceback (most recent call last):") == nprocs, result.stderr
+    for rank in set(range(nprocs)) - {1}:
+        assert f"rank {rank}: rank 1 failed with ValueError: boom in iteration 3" \
+            in result.stderr, result.stderr
+    for noise in ("RuntimeError", "Exception ignored", "freeing inactive persistent request"):
+        assert noise not in result.stderr, result.stderr
