@@ -132,7 +132,7 @@ def sync_options(group: Any = None) -> dict[str, Any]:
             "process_group": handle}
 
 
-def _shares_ranks(group: MPI.Intracomm, comm: MPI.Intracomm) -> bool:
+def shares_ranks(group: MPI.Intracomm, comm: MPI.Intracomm) -> bool:
     """Whether some process is in both communicators (local: their groups compared)."""
     mine, theirs = group.Get_group(), comm.Get_group()
     try:
@@ -148,7 +148,7 @@ def _refuse_inside_join(comm: MPI.Intracomm, what: str) -> None:
     inside a running Join over any of its ranks: a rank that has joined would not shadow it
     (on the Join's communicator its polls would match the collective and decode garbage)."""
     join = running_join()
-    if join is not None and _shares_ranks(comm, join.joinables[0].join_process_group):
+    if join is not None and shares_ranks(comm, join.joinables[0].join_process_group):
         raise RuntimeError(
             f"{what} over a plain communicator inside a running Join, where ranks that have "
             f"joined cannot shadow it: pass the Join's JoinableComm instead (a torchmetrics "

@@ -56,7 +56,7 @@ from ..algorithms.joinable_comm import JoinableComm
 from ..algorithms.requests import running_join
 from ..comm.tensors import JOIN_CHECK, host_array
 from ..parallel.data_parallel import step_in_progress
-from .metrics import StatesDiffer, group_of, group_size, reduce_states
+from .metrics import StatesDiffer, group_of, group_size, reduce_states, shares_ranks
 
 __all__ = ["SyncBatchNorm"]
 
@@ -168,22 +168,11 @@ class _JoinCheck:
                          f"buckets of a joined rank); {_WORKING_FORM}")
 
 
-def _shares_ranks(group: MPI.Intracomm, comm: MPI.Intracomm) -> bool:
-    """Whether some process is in both communicators (local: their groups compared)."""
-    mine, theirs = group.Get_group(), comm.Get_group()
-    try:
-        found = MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), theirs)
-    finally:
-        mine.Free()
-        theirs.Free()
-    return any(rank != MPI.UNDEFINED for rank in found)
-
-
 def _check_not_in_join(group: MPI.Intracomm) -> None:
     """A layer over a plain communicator, training inside a running Join over any of the same
     ranks: joined ranks would not shadow its reductions; raise before any."""
     join = running_join()
-    if join is not None and _shares_ranks(group, join.joinables[0].join_process_group):
+    if join is not None and shares_ranks(group, join.joinables[0].join_process_group):
         raise RuntimeError(f"SyncBatchNorm reduces over a plain communicator inside a running "
                            f"Join, where ranks that have joined cannot shadow it; "
                            f"{_WORKING_FORM}")
