@@ -18,16 +18,26 @@ on every survivor:
 A joinable takes part when it sets ``_elastic = True`` and implements ``_elastic_progress()``
 (updates applied, or ``None`` when it owns no step), ``_elastic_state()`` (the arrays a
 survivor behind receives, its counters among them), ``_elastic_restore()`` (read its counters
-back from those arrays) and ``_move_to(comm)``.
+back from those arrays) and ``_move_to(comm)``; optionally ``_elastic_companions()``: the
+objects outside the Join whose state its steps advance (a DataParallel's ``update=``
+optimizer, :func:`update_owner`), settled with it: their ``state_dict()``, pickled on the
+survivor whose state every survivor adopts, is loaded (``load_state_dict()``) on the others.
+
+The buffers (BatchNorm's running statistics) an interrupted step's forward pass moved are not
+the state of any completed step: a DataParallel keeps a copy of them as its last completed
+step left them (:class:`BufferSnapshot`), and the settle sends and restores that copy.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import pickle
+import types
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
+from ..comm import torch_cuda
 from ..comm.buffers import copy_into
 from ..comm.collectives import iallreduce, ibcast
 from ..comm.fault_tolerance import fault_tolerance, is_process_failure
@@ -37,7 +47,10 @@ from ..errors import RanksLostError
 from ..process import set_up
 from ..settings import settings
 
-__all__ = ["check_elastic", "progress", "recover", "settle"]
+__all__ = ["BufferSnapshot", "check_elastic", "companions", "progress", "recover",
+           "settle", "update_owner"]
+
+_STATE_METHODS = ("state_dict", "load_state_dict")  # what update='s owner needs (settled)
 
 
 def check_elastic(joinables: Sequence[Any]) -> None:
@@ -49,11 +62,94 @@ def check_elastic(joinables: Sequence[Any]) -> None:
             f"Join(elastic=True): {', '.join(refused)} cannot go on without a lost rank (its "
             "state would be lost with it: a ZeroRedundancyOptimizer's shards, a joinable of "
             "your own); leave elastic off and resume from periodic saves instead")
+    companions(joinables)  # a DataParallel's update= that cannot be settled raises here
     if progress(joinables) is None and any(j._elastic_needs_owner for j in joinables):
         raise ValueError(
             "Join(elastic=True) needs the joinable that applies the step in the Join, to "
             "settle an interrupted step: DataParallel(..., update=...) or Join([dp, opt]) "
             "with one of the library's optimizers")
+
+
+def update_owner(update: Callable[[], Any]) -> Any:
+    """The object whose state a DataParallel's ``update=`` advances, settled with it in an
+    elastic Join: the object `update` is a bound method of (``opt.step``), when it has
+    ``state_dict()`` and ``load_state_dict()``.
+
+    Raises
+    ------
+    ValueError
+        For any other callable (a function, a lambda: what it advances cannot be seen), or the
+        method of an object whose state cannot go on without a lost rank (a
+        ZeroRedundancyOptimizer).
+    """
+    owner = getattr(update, "__self__", None)
+    name = getattr(update, "__qualname__", type(update).__name__)
+    if owner is None or isinstance(owner, types.ModuleType) or not all(
+            callable(getattr(owner, method, None)) for method in _STATE_METHODS):
+        raise ValueError(
+            f"Join(elastic=True): DataParallel's update= is {name}, not a bound method of an "
+            "object with state_dict() and load_state_dict(); an elastic Join settles an "
+            "interrupted step with the state of the object whose method update= is, and it "
+            "cannot see what another callable advances. Pass update=opt.step (a torch "
+            "optimizer) or, to clip and step a scheduler too, the step() of an object of your "
+            "own whose state_dict() holds the optimizer's and the scheduler's "
+            "(docs/elastic.md); with one of this library's optimizers bound to dp.grads, use "
+            "Join([dp, opt]) instead of update=")
+    if getattr(owner, "_elastic", True) is False:
+        raise ValueError(
+            f"Join(elastic=True): DataParallel's update= steps {type(owner).__name__}, which "
+            "cannot go on without a lost rank (its shards would be lost with it); leave "
+            "elastic off and resume from periodic saves instead")
+    return owner
+
+
+def companions(joinables: Sequence[Any]) -> list[Any]:
+    """The objects outside the Join whose state the steps of `joinables` advance (each
+    joinable's ``_elastic_companions()``: a DataParallel's ``update=`` optimizer), once each;
+    raises what :func:`update_owner` raises."""
+    found = [owner for j in joinables
+             for owner in getattr(j, "_elastic_companions", list)()]
+    return list({id(owner): owner for owner in found}.values())
+
+
+class BufferSnapshot:
+    """A copy of `buffers` (running statistics) as the last completed step left them.
+
+    The forward pass of a step that no survivor completes has moved the buffers already (a
+    BatchNorm's running mean, its ``num_batches_tracked``) on every rank that ran it; the step
+    is redone, so an elastic settle sends and restores this copy instead.  A DataParallel
+    keeps it when an elastic Join is made and at the end of each step it completes in one
+    (a copy of the buffers: small next to the parameters).
+    """
+
+    def __init__(self, buffers: Sequence[Any]) -> None:
+        self._buffers = list(buffers)
+        self._kept: list[Any] | None = None
+
+    def keep(self) -> None:
+        """Copy the buffers as they are now."""
+        if not self._buffers:
+            return
+        torch_cuda.take()  # torch CUDA buffers: read after torch's writes, and torch's next
+        if self._kept is None:  # writes after the copy
+            self._kept = [buffer.copy() for buffer in self._buffers]
+        else:
+            for kept, buffer in zip(self._kept, self._buffers):
+                copy_into(kept, buffer)
+        torch_cuda.hand_back()
+
+    def arrays(self) -> list[Any]:
+        """What a settle sends and receives: the copy, or the buffers before the first."""
+        return self._buffers if self._kept is None else self._kept
+
+    def restore(self) -> None:
+        """Make the buffers the copy (after a settle wrote into it)."""
+        if self._kept is None:
+            return
+        torch_cuda.take()
+        for buffer, kept in zip(self._buffers, self._kept):
+            copy_into(buffer, kept)
+        torch_cuda.hand_back()
 
 
 def progress(joinables: Sequence[Any]) -> int | None:
@@ -141,7 +237,8 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
     """Bring every rank of `comm` to the most updates any applied: every rank adopts the
     joinables' state of the lowest rank that applied them (the same where a rank is at that
     step already, unless a broadcast of the interrupted Join was half received); return that
-    step and that rank.
+    step and that rank.  The companions of the joinables (:func:`companions`) are settled with
+    them.
 
     Collective over `comm`.  Under fault tolerance a rank adopts what it received only once
     every rank agreed that none was lost meanwhile (:func:`~tensorplay_mpi.comm.shrink.agree`);
@@ -155,12 +252,14 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
         When a rank is lost in the settle's collectives (nothing changed).
     """
     step, root = _agree_on_step(comm, progress(joinables) or 0, timeout)
+    owners = companions(joinables)
     arrays = list({id(a): a for j in joinables for a in j._elastic_state()}.values())
     received = arrays if comm.Get_rank() == root else [a.copy() for a in arrays]  # scratch:
     works = [ibcast(comm, a, root, f"elastic settle: state {i + 1} of {len(received)}")
              for i, a in enumerate(received)]  # adopted once every rank has it
     for work in works:
         work.wait_or_abort(timeout)
+    state_dicts = _broadcast_state_dicts(comm, owners, root, timeout) if owners else []
     if fault_tolerance()[0] and not agree(comm):
         return None
     for array, value in zip(arrays, received):
@@ -168,7 +267,24 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
             copy_into(array, value)
     for joinable in joinables:
         joinable._elastic_restore()
+    if comm.Get_rank() != root:
+        for owner, state_dict in zip(owners, state_dicts):
+            owner.load_state_dict(state_dict)
     return step, root
+
+
+def _broadcast_state_dicts(comm: MPI.Intracomm, owners: Sequence[Any], root: int,
+                           timeout: float) -> list[Any]:
+    """The ``state_dict()`` of each of `owners` on `root`, on every rank (pickled: its length,
+    then its bytes, two ``Ibcast``).  Every rank pickles its own first: a state that does not
+    pickle raises on every rank alike, before any collective."""
+    mine = comm.Get_rank() == root
+    payload = bytearray(pickle.dumps([o.state_dict() for o in owners]))
+    length = np.array([len(payload)], np.int64)
+    ibcast(comm, length, root, "elastic settle: state dicts' size").wait_or_abort(timeout)
+    data = np.frombuffer(payload, np.uint8) if mine else np.empty(int(length[0]), np.uint8)
+    ibcast(comm, data, root, "elastic settle: state dicts").wait_or_abort(timeout)
+    return [] if mine else pickle.loads(data.tobytes())
 
 
 def _agree_on_step(comm: MPI.Intracomm, mine: int, timeout: float) -> tuple[int, int]:

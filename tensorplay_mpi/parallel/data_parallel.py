@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from ..algorithms.elastic import BufferSnapshot, update_owner
 from ..algorithms.guarded_joinable import GuardedJoinable
 from ..algorithms.join import Join, JoinHook
 from ..comm import torch_cuda
@@ -355,6 +356,7 @@ class DataParallel(GuardedJoinable):
         self._updates = 0  # update= runs completed (an elastic Join's settle)
         self._completed = 0  # the number of the last step completed
         self._counters = np.zeros(2, dtype=np.int64)  # what an elastic settle broadcasts
+        self._kept = BufferSnapshot(self.buffers)  # and the buffers of the last completed step
         self._step: _Step | None = None  # the step in progress
         self._counts = np.zeros(5, dtype=np.int64)  # the step control's buffers
         self._highest = np.zeros(1, dtype=np.int64)
@@ -775,6 +777,8 @@ class DataParallel(GuardedJoinable):
             raise
         else:
             self._completed = step.number
+            if self.join_context is not None and self.join_context.elastic:
+                self._kept.keep()  # what a redone step starts from (an elastic settle)
         finally:
             self._step = None
 
@@ -833,6 +837,8 @@ class DataParallel(GuardedJoinable):
         anything starts."""
         for check in self._join_checks:
             check(join)
+        if join.elastic:
+            self._kept.keep()
         super()._made_into(join)
 
     def defers_requests(self) -> bool:
@@ -850,18 +856,27 @@ class DataParallel(GuardedJoinable):
         return None if self._update is None else self._updates
 
     def _elastic_state(self) -> list[Any]:
-        """The parameters, the buffers and the counts of completed steps and updates."""
+        """The parameters, the buffers as the last completed step left them and the counts of
+        completed steps and updates."""
         self._counters[:] = self._completed, self._updates
-        return self.params + self.buffers + [self._counters]
+        return self.params + self._kept.arrays() + [self._counters]
 
     def _elastic_restore(self) -> None:
         """Steps are those completed (an interrupted one is dropped, or completed from another
-        rank)."""
+        rank), and so are the buffers."""
         self._steps = self._completed = int(self._counters[0])
         self._updates = int(self._counters[1])
+        self._kept.restore()
+
+    def _elastic_companions(self) -> list[Any]:
+        """The object whose method ``update=`` is (an optimizer), settled with this one."""
+        return [] if self._update is None else [update_owner(self._update)]
 
     def _move_to(self, comm: MPI.Intracomm) -> None:
         super()._move_to(comm)
+        mover = getattr(getattr(self._update, "__self__", None), "_move_to", None)
+        if callable(mover):  # a library optimizer stepped by update=
+            mover(comm)
         self._step, self._unsynced = None, False
         for bucket in self._buckets:
             bucket.samples.fill(0)

@@ -26,6 +26,39 @@ def test_joinables_that_cannot_go_on_are_refused_on_every_rank(comm):
     Join([JoinableComm(comm)], elastic=True)  # nothing to settle: a validation's Join
 
 
+class Stepper:
+    """``update=`` in an elastic Join: a bound method of the owner of the state it advances
+    (the library's optimizer is made after the DataParallel, from its ``dp.grads``)."""
+
+    opt = None
+
+    def step(self):
+        self.opt.update()
+
+    def state_dict(self):
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.opt.load_state_dict(state_dict)
+
+
+@pytest.mark.mpi
+def test_an_update_the_settle_cannot_see_is_refused_on_every_rank(comm):
+    """A function or lambda (what it advances is invisible), or ZeRO's step (sharded)."""
+    params = [np.zeros(4)]
+    dp = DataParallel(params, comm=comm, update=lambda: opt.update())
+    opt = SGD(params, dp.grads, lr=1.0)
+    with raises_everywhere(ValueError, match="not a bound method of an object with state_dict"):
+        Join([dp], elastic=True)
+    Join([dp])  # without elastic: as before
+    zero_params = [np.zeros(4)]
+    zero_dp = DataParallel(zero_params, comm=comm, update=lambda: zero.step())
+    zero = ZeroRedundancyOptimizer(zero_params, zero_dp.grads, Adam, comm=comm)
+    zero_dp._update = zero.step  # as if made first: a bound method, of a sharded optimizer
+    with raises_everywhere(ValueError, match="ZeroRedundancyOptimizer, which cannot go on"):
+        Join([zero_dp], elastic=True)
+
+
 def dp_and_sgd(comm):
     """A DataParallel over one array of 3 zeros, and SGD (lr 1) stepping with its gradients."""
     dp = DataParallel([np.zeros(3)], comm=comm)
@@ -46,9 +79,10 @@ def test_no_sync_in_an_elastic_join_is_refused_on_every_rank(comm):
 def test_an_elastic_join_with_uneven_inputs_equals_a_plain_one(comm, owner):
     def train(elastic_join):
         params = [np.linspace(0, 1, 6).reshape(2, 3), np.ones(3)]
+        stepper = Stepper()
         dp = DataParallel(params, comm=comm,  # the optimizer steps with these gradients
-                          update=(lambda: opt.update()) if owner == "update" else None)
-        opt = Adam(params, dp.grads, lr=0.1)
+                          update=stepper.step if owner == "update" else None)
+        opt = stepper.opt = Adam(params, dp.grads, lr=0.1)
         joinables = [dp] if owner == "update" else [dp, opt]
         with Join(joinables, elastic=elastic_join):
             for step in range(2 + comm.rank):
@@ -113,3 +147,66 @@ def test_the_settle_gives_the_state_of_the_lowest_rank_that_applied_the_step(com
 def test_survivors_more_than_one_update_apart_are_refused_on_every_rank(comm):
     with raises_everywhere(RuntimeError, match="more than the one an interrupted step"):
         elastic._agree_on_step(comm, 2 * comm.rank, 60.0)
+
+
+def torch_sgd_run(comm, steps, extra):
+    """Linear(3, 2) + BatchNorm1d(2), float64, trained by torch SGD with momentum through
+    ``update=opt.step`` in an elastic Join for `steps` steps, every rank active; then `extra`
+    more updates on this rank only (with gradient 5, counted as DataParallel counts a step it
+    completed), as an interrupted step leaves a survivor that completed it.  Returns (model,
+    opt, dp)."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(), update=opt.step)
+    x = torch.arange(24, dtype=torch.float64).reshape(8, 3).sin()
+    with Join([dp], elastic=True):
+        for _ in range(steps):
+            with dp.step():
+                model(x).square().mean().backward()
+    for _ in range(extra):
+        for p in model.parameters():
+            p.grad.fill_(5.0)
+        opt.step()
+        dp._updates += 1
+        dp._completed = dp._steps = dp._steps + 1
+    return model, opt, dp
+
+
+def torch_state(model, opt):
+    """The model's parameters and buffers and the optimizer's momentum buffers, as arrays."""
+    tensors = [*model.state_dict().values()]
+    tensors += [s["momentum_buffer"] for s in opt.state.values()]
+    return [t.detach().numpy().copy() for t in tensors]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_settle_gives_update_s_torch_optimizer_the_state_of_the_rank_it_adopts(comm):
+    """A survivor behind adopts the momentum of the lowest survivor that applied the step (a
+    serial torch run of the same updates), not only its parameters."""
+    ahead = comm.rank % 2 == 1  # ranks 1, 3: the interrupted step completed here only
+    model, opt, dp = torch_sgd_run(comm, 2, int(ahead))
+    serial_model, serial_opt, _ = torch_sgd_run(comm.Split(comm.rank, 0), 2, 1)
+    expected = torch_state(serial_model, serial_opt)
+    step, root = elastic.settle(comm, [dp], 60.0)
+    got = torch_state(model, opt)
+    ok = (step, root) == (3, 1) and all(np.allclose(g, e, rtol=0, atol=1e-12)
+                                        for g, e in zip(got, expected))
+    assert_all(ok, f"rank {comm.rank}: settled at {step} from {root}; momentum "
+                   f"{got[-2:]} against the serial {expected[-2:]}")
+
+
+@pytest.mark.mpi
+def test_a_redone_step_starts_from_the_buffers_of_the_last_completed_step(comm):
+    """The forward pass of a step nobody completed moved the running statistics and
+    num_batches_tracked; the settle gives back those of the last completed step."""
+    torch = pytest.importorskip("torch")
+    model, opt, dp = torch_sgd_run(comm, 2, 0)
+    before = [t.clone() for t in model.buffers()]  # after 2 steps
+    model(torch.ones(4, 3, dtype=torch.float64))  # the interrupted step's forward pass
+    elastic.settle(comm, [dp], 60.0)
+    after = list(model.buffers())
+    ok = int(after[-1]) == 2 and all(bool((a == b).all()) for a, b in zip(after, before))
+    assert_all(ok, f"rank {comm.rank}: buffers {after} after the settle, {before} before the "
+                   "interrupted forward pass")

@@ -15,10 +15,11 @@ With ``--jc`` a JoinableComm joins them (``Join([dp, opt, jc])``): each step it 
 batch sizes of the active ranks (checked against the log) in the step, so while a
 rank has joined the Join follows one ordered stream; WHERE may then be ``jc`` (just before
 that sum).  With ``--update`` the optimizer steps through ``DataParallel(update=...)`` instead
-of ``Join([dp, opt])``.  With ``--save=DIR`` every active rank asks for a save every 4 steps and
-the Join's ``on_save`` writes a checkpoint there; WHERE may then be ``save`` (in ``on_save``,
-before the write), and after the run the last checkpoint must load whole: the log's rows of
-its step as the run has them, none after.  With ``--validate`` each epoch ends with a
+of ``Join([dp, opt])`` (the bound method of an object whose state dict is the optimizer's,
+settled with the DataParallel).  With ``--save=DIR`` every active rank asks for a save every
+4 steps and the Join's ``on_save`` writes a checkpoint there; WHERE may then be ``save`` (in
+``on_save``, before the write), and after the run the last checkpoint must load whole: the
+log's rows of its step as the run has them, none after.  With ``--validate`` each epoch ends with a
 validation ``Join([jc], elastic=True)`` of a few JoinableComm allreduces; WHERE may be
 ``validate`` (in it): the training's joinables then move with ``lost.move`` and the sampler
 takes the loss with the epoch done (``sampler.shrink(lost.lost)``).
@@ -70,6 +71,22 @@ def plan(argv, size, seed, places):
     return victims
 
 
+class Stepper:
+    """``update=`` in an elastic Join: the bound method of the owner of the state it advances
+    (the optimizer is made after the DataParallel, from ``dp.grads``)."""
+
+    opt = None
+
+    def step(self):
+        self.opt.update()
+
+    def state_dict(self):
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.opt.load_state_dict(state_dict)
+
+
 def die_if(victims, world_rank, where, applied):
     step, at, pause = victims.get(world_rank, (None, None, 0.0))
     if at == where and applied >= step:
@@ -94,9 +111,9 @@ def main():
     w = np.zeros(DIM)
     comm = world
     sampler = Sampler(SAMPLES, comm.rank, comm.size, batch_size=BATCH, seed=seed, skew=1.0)
-    dp = DataParallel([log, w], comm=comm,
-                      update=(lambda: opt.update()) if with_update else None)
-    opt = SGD([log, w], dp.grads, lr=1.0)
+    stepper = Stepper()
+    dp = DataParallel([log, w], comm=comm, update=stepper.step if with_update else None)
+    opt = stepper.opt = SGD([log, w], dp.grads, lr=1.0)
     jc = JoinableComm(comm) if with_jc else None
 
     def on_save():
