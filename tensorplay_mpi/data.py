@@ -166,6 +166,7 @@ class Sampler:
         self._base: list[int] | None = None  # every rank's cursor where this split began
         self._earlier: dict[int, list[float]] = {}  # weights of earlier world sizes (state)
         self._tracking = False  # a tracked loader takes its iterator: it does not count
+        self._tracks = 0  # track() iterators being iterated (one at a time)
 
     def _weights(self, size: int, last: bool = False) -> list[float] | None:
         """The weights of a split of this epoch over `size` ranks (None: by `skew`): those the
@@ -215,6 +216,12 @@ class Sampler:
         """This rank's batches of the current epoch, consumed ones included."""
         mine = self._parts()[self.rank]
         return [mine[i:i + self.batch_size] for i in range(0, mine.size, self.batch_size)]
+
+    def __len__(self) -> int:
+        """This rank's batches left in the epoch, from :attr:`cursor` on: what iterating the
+        sampler yields (``len(loader)`` of a DataLoader built on it; other ranks may have
+        more or fewer)."""
+        return len(self.batches()) - self.cursor
 
     def max_batches(self) -> int:
         """The most batches any rank has in the current epoch (the Join's iterations)."""
@@ -282,14 +289,22 @@ class Sampler:
         return self._tracked(loader)
 
     def _tracked(self, loader: Iterable[_T]) -> Iterator[_T]:
-        self._tracking = True  # the loader's iterator of the sampler, taken now, does not count
+        if self._tracks:
+            raise RuntimeError("Sampler.track: another track() of this sampler is still being "
+                               "iterated; two at once would each count the same cursor: finish "
+                               "or close the first (one loop over one tracked loader)")
+        self._tracks += 1
         try:
-            handed = iter(loader)
+            self._tracking = True  # the loader's iterator of the sampler, taken now, does not
+            try:  # count
+                handed = iter(loader)
+            finally:
+                self._tracking = False
+            for batch in handed:
+                yield batch
+                self.cursor += 1
         finally:
-            self._tracking = False
-        for batch in handed:
-            yield batch
-            self.cursor += 1
+            self._tracks -= 1
 
     def state(self) -> np.ndarray:
         """What :meth:`resume` needs besides the epoch and the cursors: an int64 array (the

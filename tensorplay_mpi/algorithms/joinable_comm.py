@@ -395,12 +395,14 @@ class JoinableComm(GuardedJoinable):
         headers = self._wait(iallgather(self.comm, self._row_header, self._row_headers,
                                         f"row counts ({self._where})"))
         counts, digests = headers[:, 0], headers[:, 1]
-        if (digests != digests[0]).any():
-            differ = np.flatnonzero(digests != digests[0]).tolist()
+        gathering = np.flatnonzero(digests != _JOINED)  # a joined rank's rows say nothing
+        differ = np.flatnonzero(digests[gathering] != digests[gathering[0]]).tolist()
+        if differ:
+            mine = "" if row_digest == _JOINED else (f" (rank {self.rank} has {rows.dtype} rows "
+                                                      f"of shape {rows.shape[1:]})")
             raise ValueError(f"allgather needs rows of one dtype and the same trailing "
-                             f"dimensions on every rank: ranks {differ} differ from rank 0 "
-                             f"(rank {self.rank} has {rows.dtype} rows of shape "
-                             f"{rows.shape[1:]})")
+                             f"dimensions on every rank: ranks {gathering[differ].tolist()} "
+                             f"differ from rank {gathering[0]}{mine}")
         total, row_size = int(counts.sum()), math.prod(rows.shape[1:])
         out = zeros_like(rows, total * row_size).reshape((total,) + tuple(rows.shape[1:]))
         return iallgatherv(self.comm, rows, like(given, out), (counts * row_size).tolist(),
@@ -486,8 +488,8 @@ class JoinableComm(GuardedJoinable):
             x = x.view(np.ndarray)
         elif type(x) is not np.ndarray:
             x = as_array(x)
-            if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-                return np.asarray(x)
+            if not hasattr(x, "dtype") or not hasattr(x, "shape") or isinstance(x, np.generic):
+                return np.asarray(x)  # a NumPy scalar (arr.max()) takes a 0-d array's path
             self.device = device_of(x)
             torch_cuda.take()  # nothing unless torch CUDA tensors are in use
         return x if misordered(x) is None else x.copy(order="C")
@@ -559,6 +561,10 @@ def _refuse_read_only(out: Any) -> None:
                          "writeable array, or none")
 
 
+_JOINED = 0
+"""The row digest a joined rank sends with its zero rows (no digest is 0)."""
+
+
 def _variant(persistent: bool, floats: bool) -> int:
     """The announced variant of an allreduce (in the row digest's field): whether it goes
     through a persistent collective while every rank is active, and whether its floats travel
@@ -618,7 +624,7 @@ class _FollowAnnouncements(JoinHook):
                 jc._wait(iallreduce(jc.comm, contribution, received, wire.OP_OBJECTS[op - 1],
                                     f"allreduce ({jc._where})"))
             elif kind == wire.ALLGATHER:
-                jc._wait(jc._gather_rows(np.empty((0, count), dtype), rows))
+                jc._wait(jc._gather_rows(np.empty((0, count), dtype), _JOINED))
             else:
                 target = highest if root == -1 else root
                 _check_root(target, root == -1 or root_active == 1)

@@ -133,14 +133,16 @@ def sync_options(group: Any = None) -> dict[str, Any]:
 
 
 def shares_ranks(group: MPI.Intracomm, comm: MPI.Intracomm) -> bool:
-    """Whether some process is in both communicators (local: their groups compared)."""
+    """Whether a process other than this one is in both communicators (local: their groups
+    compared): a collective over `group` then waits for a rank that may have joined `comm`'s
+    Join (a one-process communicator, ``MPI.COMM_SELF``, never does)."""
     mine, theirs = group.Get_group(), comm.Get_group()
     try:
         found = MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), theirs)
     finally:
         mine.Free()
         theirs.Free()
-    return any(rank != MPI.UNDEFINED for rank in found)
+    return sum(rank != MPI.UNDEFINED for rank in found) > 1
 
 
 def _refuse_inside_join(comm: MPI.Intracomm, what: str) -> None:

@@ -299,3 +299,16 @@ def test_a_bad_argument_on_one_rank_raises_there_and_is_a_mismatch_elsewhere(
             for _ in range(2):
                 jc.begin_iteration()
                 jc.allreduce(np.ones(4), "SUM" if comm.rank == 0 else MPI.SUM)
+
+
+@pytest.mark.mpi(min_size=3)
+def test_allgather_rows_that_differ_name_the_active_rank_that_differs(comm):
+    """Rank 0 has joined (it sends no rows): the message names the last rank, whose rows differ
+    from rank 1's, not rank 0."""
+    jc = JoinableComm(comm)
+    last = comm.size - 1
+    with raises_everywhere(ValueError, match=rf"ranks \[{last}\] differ from rank 1\b"):
+        with Join([jc]):
+            for _ in range(1 if comm.rank else 0):
+                jc.begin_iteration()
+                jc.allgather(np.ones((2, 3 if comm.rank == last else 4)))

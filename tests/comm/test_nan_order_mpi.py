@@ -60,3 +60,15 @@ def test_max_and_min_with_nan_agree_on_every_rank_and_path(comm, dtype, size, op
     assert_all(ok and all(g == gathered[0] for g in gathered),
                f"results {bad} of {len(got)} differ: got {[got[i] for i in bad]}, expected "
                f"{[wants[i] for i in bad]}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_numpy_scalars_take_the_path_of_0d_arrays(comm):
+    """``arr.max()`` gives a NumPy scalar, not an array: its MAX propagates NaN as a 0-d
+    array's does (as ``np.maximum.reduce``), and one rank's scalar meets another's 0-d array."""
+    jc = JoinableComm(comm)
+    values = np.array([np.nan] + [float(r) for r in range(1, comm.size)])
+    scalar = jc.allreduce(values[comm.rank:comm.rank + 1].max(), MPI.MAX)
+    mixed = jc.allreduce(np.float64(1.0) if comm.rank % 2 else np.ones(()))
+    assert_all(bool(np.isnan(scalar)) and float(mixed) == comm.size,
+               f"scalar MAX {scalar!r}, scalar beside a 0-d array {mixed!r}")

@@ -269,3 +269,27 @@ def test_track_refuses_a_loader_that_is_not_this_sampler_s():
         sampler.track(id_loader(other))
     with pytest.raises(ValueError, match="in_order=False"):
         sampler.track(id_loader(sampler, num_workers=2, in_order=False))
+
+
+def test_len_is_the_batches_left_and_a_loader_built_on_the_sampler_has_it():
+    """len(loader) (tqdm, OneCycleLR(total_steps=len(loader))) is this rank's batches from the
+    cursor on: what a loop over the tracked loader yields."""
+    sampler = samplers(3)[1]
+    loader = id_loader(sampler)
+    before = len(loader)
+    assert before == len(list(sampler.batches())) > 1
+    for k, _ in enumerate(sampler.track(loader)):
+        if k == 1:
+            break
+    assert len(loader) == len(sampler) == before - 1 == len(list(sampler.track(loader)))
+
+
+def test_two_tracks_of_one_sampler_at_once_are_refused():
+    """Each would count the same cursor (it reached 21 for 11 batches)."""
+    sampler = samplers(2)[0]
+    first = sampler.track(id_loader(sampler))
+    next(first)
+    with pytest.raises(RuntimeError, match="another track"):
+        next(sampler.track(id_loader(sampler)))
+    first.close()
+    assert len(list(sampler.track(id_loader(sampler)))) == len(sampler.batches())  # uncounted

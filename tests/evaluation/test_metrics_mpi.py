@@ -240,7 +240,7 @@ def test_a_copied_metric_or_model_shares_the_joinable_comm(comm):
     assert_all(metric.process_group.group is jc and layer.process_group is jc)
 
 
-@pytest.mark.mpi
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("call", ["gather_all_tensors", "reduce_states"])
 def test_a_plain_communicator_inside_a_join_is_refused_before_its_collective(comm, call):
     """Over the Join's own communicator the collective would match a joined rank's polls; the
@@ -260,3 +260,16 @@ def test_a_plain_communicator_inside_a_join_is_refused_before_its_collective(com
         inside = reduce_states({"n": 1}, jc)["n"]
     after = reduce_states({"n": 1}, comm)["n"]
     assert_all(inside == after == comm.size, f"sums {inside}, {after}: expected {comm.size}")
+
+
+@pytest.mark.mpi
+def test_a_one_process_communicator_inside_a_join_is_not_refused(comm):
+    """MPI.COMM_SELF (a rank-local tally) waits for no other rank, so no joined rank can miss
+    its collective: it works inside a running Join, as outside."""
+    jc = JoinableComm(comm)
+    with Join([jc]):
+        jc.begin_iteration()
+        tally = reduce_states({"n": comm.rank + 1.0}, MPI.COMM_SELF)["n"]
+        rows = gather_all_tensors(np.array([comm.rank]), MPI.COMM_SELF)
+    got = (float(np.asarray(tally)), [np.asarray(r).tolist() for r in rows])
+    assert_all(got == (comm.rank + 1.0, [[comm.rank]]), f"COMM_SELF inside a Join gave {got}")
