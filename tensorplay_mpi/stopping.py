@@ -52,8 +52,9 @@ def request_save(reason: str = "request_save()") -> None:
     Local, like :func:`request_stop`: it only sets a flag.  The next heartbeat (or poll) of an
     enabled :class:`~tensorplay_mpi.Join` carries it; every rank, joined or not, then runs the
     Join's ``on_save`` at one iteration boundary, and the request is withdrawn.  Several
-    requests before that save make one save.  A Join without ``on_save``, or one that stops
-    first, withdraws it at its end, where ``join.save_due`` tells the caller to save.
+    requests before that save make one save.  A request that no ``on_save`` served (a Join
+    without one, or one that stopped first, where ``join.save_due`` tells the caller to save)
+    stays pending for the next Join's ``on_save``, or until :func:`clear_save`.
 
     Raises
     ------

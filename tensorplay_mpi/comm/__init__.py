@@ -3,8 +3,9 @@
 Users need the collective wrappers (``tensorplay_mpi.comm.iallreduce`` and the others of
 :mod:`tensorplay_mpi.comm.collectives`), re-exported here; the rooms beside them are the
 library's own: operations and their registry (``work``), buffers and devices (``buffers``,
-``tensors``), failure handling (``guard``, ``agreement``, ``drain``, ``stall``), persistent
-collectives (``persistent``) and the reductions by name (``ops``).
+``tensors``, ``torch_cuda``), failure handling (``guard``, ``agreement``, ``drain``,
+``stall``), lost ranks under ULFM (``fault_tolerance``, ``shrink``), persistent collectives
+(``persistent``) and the reductions by name (``ops``).
 """
 
 from .collectives import (OPS, Work, check_comm, default_comm, default_timeout, iallgather,
