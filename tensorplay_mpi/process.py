@@ -22,7 +22,10 @@ action).  A program that calls ``MPI.Finalize()`` itself (a stop's exit with sta
 first two from within it: an attribute on ``COMM_SELF``, set once, whose delete callback
 ``MPI_Finalize`` runs before it finalizes.  After an uncaught exception under ``python -m
 mpi4py`` (its traceback printed, the job about to be aborted), operations still pending abort
-the job without a report of their own: they belong to the failure already printed.
+the job without a report of their own: they belong to the failure already printed.  Under a
+fault-tolerant launch (ULFM) ``MPI_Finalize`` skips Open MPI's PMIx fence, which waited for the
+lost ranks too (:func:`_skip_finalize_fence`), and after a lost rank the hook finalizes MPI
+itself, under its watchdog (:func:`_finalize_after_a_loss`).
 
 An uncaught exception on one rank of a multi-rank job, outside any library call, leaves the
 other ranks waiting in their next collective until their deadline.  ``python -m mpi4py``, the
@@ -42,6 +45,7 @@ how :func:`reset_state` (``tensorplay_mpi.testing.reset_process_state``) resets 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import faulthandler
 import importlib
 import os
@@ -86,6 +90,7 @@ def set_up(comm: MPI.Intracomm | None = None) -> None:
     """
     current = settings()
     _free_at_finalize()
+    _skip_finalize_fence()
     check_launch()
     if current.excepthook:
         install_excepthook()
@@ -258,15 +263,16 @@ def _at_exit() -> None:
     requests still kept, and ignore the stop signals that keep_stop_signals() kept (Python
     gives them their default action back before mpi4py finalizes MPI); under a fault-tolerant
     launch, first arm the exit's watchdog (:data:`~tensorplay_mpi.comm.fault_tolerance.
-    FINALIZE_WATCHDOG_S`).  After an uncaught exception that ``python -m mpi4py`` printed,
-    operations still pending end the job without a report of their own
-    (:func:`_abort_quietly_after`)."""
+    FINALIZE_WATCHDOG_S`) and, after a lost rank, finalize MPI under it.  After an uncaught
+    exception that ``python -m mpi4py`` printed, operations still pending end the job without a
+    report of their own (:func:`_abort_quietly_after`)."""
     if fault_tolerance()[0]:  # the exit after a lost rank: never a silent hang
         faulthandler.dump_traceback_later(FINALIZE_WATCHDOG_S, exit=True)
     _abort_quietly_after(_uncaught_under_mpi4py())
     complete_all_at_exit()
     free_all()
     ignore_kept_signals()
+    _finalize_after_a_loss()
 
 
 def _uncaught_under_mpi4py() -> BaseException | None:
@@ -312,5 +318,46 @@ def _free_at_finalize() -> None:
         MPI.COMM_SELF.Set_attr(_finalize_keyval, True)
 
 
+_fence_checked = False
+
+
+def _skip_finalize_fence() -> None:
+    """Under a fault-tolerant Open MPI launch, once: ``MPI_Finalize`` skips its PMIx fence
+    (Open MPI's ``async_mpi_finalize``, set in ``libmpi`` at run time; MCA parameters are read
+    at ``MPI_Init``).  That fence spans every process of the job, the lost ones included, and
+    hung the survivors after a lost rank (Open MPI 5.0.11, about 1 job in 12 here); ULFM's
+    ``MPI_Finalize`` agrees and synchronises the survivors before it anyway.  Elsewhere (another
+    MPI, a ``libmpi`` without the variable) nothing changes."""
+    global _fence_checked
+    if _fence_checked or not fault_tolerance()[0]:
+        return
+    _fence_checked = True
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next(line.split(None, 5)[-1].strip() for line in maps if "/libmpi.so" in line)
+        libmpi = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        ctypes.c_bool.in_dll(libmpi, "ompi_async_mpi_finalize").value = True
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass  # the fence stays; docs/elastic.md: mpiexec --mca async_mpi_finalize 1
+
+
+def _finalize_after_a_loss() -> None:
+    """After a lost rank (fault tolerance on, ``COMM_WORLD`` knows a failed process):
+    ``MPI_Finalize`` here, under the exit's watchdog.  mpi4py's own runs after Python has
+    shut the watchdog down (``faulthandler`` ends before ``Py_AtExit`` functions run), where a
+    hang would be silent."""
+    if not fault_tolerance()[0] or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    try:
+        failed = MPI.COMM_WORLD.Get_failed()
+        lost = failed.Get_size() > 0
+        failed.Free()
+    except MPI.Exception:
+        return
+    if lost:
+        MPI.Finalize()
+
+
 atexit.register(_at_exit)  # after mpi4py's own: runs before MPI_Finalize
 _free_at_finalize()
+_skip_finalize_fence()
