@@ -51,10 +51,9 @@ def test_an_update_the_settle_cannot_see_is_refused_on_every_rank(comm):
     with raises_everywhere(ValueError, match="not a bound method of an object with state_dict"):
         Join([dp], elastic=True)
     Join([dp])  # without elastic: as before
-    zero_params = [np.zeros(4)]
-    zero_dp = DataParallel(zero_params, comm=comm, update=lambda: zero.step())
-    zero = ZeroRedundancyOptimizer(zero_params, zero_dp.grads, Adam, comm=comm)
-    zero_dp._update = zero.step  # as if made first: a bound method, of a sharded optimizer
+    zero_params = [np.zeros(4)]  # made first, with gradients of its own: a bound method
+    zero = ZeroRedundancyOptimizer(zero_params, [np.zeros(4)], Adam, comm=comm)
+    zero_dp = DataParallel(zero_params, comm=comm, update=zero.step)
     with raises_everywhere(ValueError, match="ZeroRedundancyOptimizer, which cannot go on"):
         Join([zero_dp], elastic=True)
 
@@ -152,9 +151,8 @@ def test_survivors_more_than_one_update_apart_are_refused_on_every_rank(comm):
 def torch_sgd_run(comm, steps, extra):
     """Linear(3, 2) + BatchNorm1d(2), float64, trained by torch SGD with momentum through
     ``update=opt.step`` in an elastic Join for `steps` steps, every rank active; then `extra`
-    more updates on this rank only (with gradient 5, counted as DataParallel counts a step it
-    completed), as an interrupted step leaves a survivor that completed it.  Returns (model,
-    opt, dp)."""
+    more updates on this rank only (with gradient 5), as an interrupted step leaves a survivor
+    that completed it.  Returns (model, opt, dp)."""
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)).double()
@@ -169,9 +167,24 @@ def torch_sgd_run(comm, steps, extra):
         for p in model.parameters():
             p.grad.fill_(5.0)
         opt.step()
-        dp._updates += 1
-        dp._completed = dp._steps = dp._steps + 1
     return model, opt, dp
+
+
+class Applied:
+    """A joinable's side of an elastic settle that says how many updates this rank applied
+    (the step owner's count, as an interrupted step leaves it), with no state of its own."""
+
+    def __init__(self, updates):
+        self.updates = updates
+
+    def _elastic_progress(self):
+        return self.updates
+
+    def _elastic_state(self):
+        return []
+
+    def _elastic_restore(self):
+        pass
 
 
 def torch_state(model, opt):
@@ -189,7 +202,7 @@ def test_the_settle_gives_update_s_torch_optimizer_the_state_of_the_rank_it_adop
     model, opt, dp = torch_sgd_run(comm, 2, int(ahead))
     serial_model, serial_opt, _ = torch_sgd_run(comm.Split(comm.rank, 0), 2, 1)
     expected = torch_state(serial_model, serial_opt)
-    step, root = elastic.settle(comm, [dp], 60.0)
+    step, root = elastic.settle(comm, [dp, Applied(2 + int(ahead))], 60.0)
     got = torch_state(model, opt)
     ok = (step, root) == (3, 1) and all(np.allclose(g, e, rtol=0, atol=1e-12)
                                         for g, e in zip(got, expected))
