@@ -26,22 +26,28 @@ SAVABLE_KINDS = "biufcUS"
 
 
 class PerRank:
-    """A value of :func:`~tensorplay_mpi.checkpoint.save`'s ``extra`` that is this rank's own
-    (a random generator's state, a rank's partial tally): every rank's is saved, and
-    :func:`~tensorplay_mpi.checkpoint.load` gives each rank back its own, as an array, under
-    the same key of ``Resumed.extra``.
+    """A value that is this rank's own (a random generator's state, a rank's partial tally):
+    every rank's is saved, and :func:`~tensorplay_mpi.checkpoint.load` gives each rank back its
+    own.
 
-    A plain ``extra`` value is saved as rank 0 has it, and one that differs across ranks is
-    refused; a key is per-rank on every rank or on none.  At another world size
+    It wraps an ``extra`` value of the array form (it comes back, as an array, under the same
+    key of ``Resumed.extra``), a value in a provider's ``state_dict()`` (under its key of the
+    dict ``load_state_dict`` gets), or a whole provider of the mapping form
+    (``{"rng": PerRank(generator)}``: all its state is this rank's own).
+
+    A plain value is saved as rank 0 has it, and one that differs across ranks is refused; a
+    key is per-rank on every rank or on none.  At another world size
     (``load(..., resize=True)``) no per-rank value comes back: a rank's value belongs to a
-    rank of the saving run, so the key is absent from ``Resumed.extra``, and reading it raises
-    ``KeyError`` saying so (``key in resumed.extra`` tells a program to start it afresh).
+    rank of the saving run, so its key is absent (from ``Resumed.extra``, from the dict a
+    provider's ``load_state_dict`` gets, every key of a per-rank provider's), and reading it
+    raises ``KeyError`` saying so (``key in state`` tells a program to start it afresh).
 
     Parameters
     ----------
-    value : array-like
-        A NumPy or CuPy array or a torch tensor of a kind a checkpoint holds (bool, integer,
-        float, complex or string), its shape free per rank.
+    value : array-like or provider
+        A NumPy or CuPy array, a torch tensor or a number, of a kind a checkpoint holds (bool,
+        integer, float, complex or string), its shape free per rank; or, in the mapping form,
+        an object with ``state_dict()`` and ``load_state_dict()`` or a random generator.
 
     Examples
     --------
@@ -52,6 +58,10 @@ class PerRank:
         ...
         resumed = checkpoint.load(directory, params)
         checkpoint.set_rng_state(rng, resumed.extra["rng"])  # this rank's generator
+
+    In the mapping form the generator itself goes in::
+
+        checkpoint.save(directory, {"model": dp, "rng": checkpoint.PerRank(rng)})
     """
 
     __slots__ = ("value",)
@@ -86,18 +96,19 @@ def check_savable(params: Sequence[Any], buffers: Sequence[Any],
     split_extra(extra)
 
 
-def _extra_array(key: str, value: Any) -> np.ndarray:
-    """`value` of ``extra[key]`` as the host array a checkpoint holds; TypeError if it is not
-    one that loads back without pickle."""
+def extra_array(key: str, value: Any, where: str | None = None) -> np.ndarray:
+    """`value` of ``extra[key]`` (or at `where` in a provider's state) as the host array a
+    checkpoint holds; TypeError if it is not one that loads back without pickle."""
     if not isinstance(key, str):
         raise TypeError(f"extra keys must be strings, got {type(key).__name__} {key!r}")
+    where = where or f"extra[{key!r}]"
     try:
         array = host_array(value)  # a device array's or torch CUDA tensor's host copy
     except (TypeError, ValueError) as failed:  # ragged sequences, say
-        raise TypeError(f"cannot save extra[{key!r}] ({type(value).__name__}) as an array: "
+        raise TypeError(f"cannot save {where} ({type(value).__name__}) as an array: "
                         f"{failed}") from None
     if array.dtype.kind not in SAVABLE_KINDS or array.dtype.fields is not None:
-        raise _kind_error(f"extra[{key!r}] ({type(value).__name__})", array.dtype)
+        raise _kind_error(f"{where} ({type(value).__name__})", array.dtype)
     return array
 
 
@@ -110,9 +121,9 @@ def split_extra(extra: Mapping[str, Any] | None
     own: dict[str, np.ndarray] = {}
     for key, value in (extra or {}).items():
         if isinstance(value, PerRank):
-            own[key] = _extra_array(key, value.value)
+            own[key] = extra_array(key, value.value)
         else:
-            shared[key] = _extra_array(key, value)
+            shared[key] = extra_array(key, value)
     return shared, own
 
 
@@ -124,6 +135,12 @@ def extra_digests(shared: Mapping[str, np.ndarray], own: Mapping[str, np.ndarray
     return digest([layout]), digest([shared[key] for key in sorted(shared)])
 
 
+def value_digests(shared: Mapping[str, np.ndarray]) -> np.ndarray:
+    """One int64 digest per value saved as rank 0 has it (in the order of the sorted keys): a
+    save gathers them to name the values that differ, once the keys agree."""
+    return np.array([digest([shared[key]]) for key in sorted(shared)], dtype=np.int64)
+
+
 def groups(values: np.ndarray) -> list[list[int]]:
     """The ranks, grouped by equal value (a gathered digest)."""
     found: dict[int, list[int]] = {}
@@ -133,41 +150,63 @@ def groups(values: np.ndarray) -> list[list[int]]:
 
 
 def check_extra(layouts: np.ndarray, values: np.ndarray, shared: Mapping[str, Any],
-                own: Mapping[str, Any]) -> None:
+                own: Mapping[str, Any], differing: Sequence[str] = (),
+                entries: bool = False) -> None:
     """Raise ValueError unless every rank's :func:`extra_digests` (gathered: `layouts`,
-    `values`) agree: rank 0's plain values are saved, and only they."""
+    `values`) agree: rank 0's plain values are saved, and only they.  `differing` names the
+    values that differ; with `entries` they are entries of the mapping form's state."""
     if (layouts != layouts[0]).any():
+        if entries:
+            raise ValueError(
+                f"ranks gave different state entries, or per-rank ones on some ranks only (the "
+                f"same within each of {groups(layouts)}): give the same keys on every rank, "
+                "and wrap an entry or value that is each rank's own in checkpoint.PerRank on "
+                "every rank")
         raise ValueError(
             f"ranks passed different extra keys, or marked other keys per rank (the same "
             f"within each of {groups(layouts)}; this rank's plain keys {sorted(shared)}, "
             f"per-rank keys {sorted(own)}): pass the same keys on every rank, each rank's own "
             "values wrapped in checkpoint.PerRank on every rank")
     if (values != values[0]).any():
+        if entries:
+            raise ValueError(
+                f"state {list(differing)} differ(s) across ranks (the same within each of "
+                f"{groups(values)}), and a checkpoint keeps rank 0's: return a value that is "
+                "each rank's own from state_dict() wrapped in checkpoint.PerRank(...), wrap an "
+                "entry that is all each rank's own (a per-rank generator) in "
+                "checkpoint.PerRank(obj), or keep the state the same on every rank")
         raise ValueError(
             f"extra values differ across ranks (the same within each of {groups(values)}; "
-            f"keys {sorted(shared)}), and a checkpoint keeps rank 0's: wrap a value that is "
-            "each rank's own (a random generator's state, say) in checkpoint.PerRank(...), "
-            "which comes back to its own rank, or pass the same value on every rank")
+            f"keys {list(differing) or sorted(shared)}), and a checkpoint keeps rank 0's: wrap "
+            "a value that is each rank's own (a random generator's state, say) in "
+            "checkpoint.PerRank(...), which comes back to its own rank, or pass the same value "
+            "on every rank")
 
 
-class _Extra(dict):
-    """``Resumed.extra``: a per-rank value saved at another world size is absent, and reading
-    it raises KeyError saying why."""
+EVERY_KEY = None
+"""``absent`` of :class:`Absent` for a provider saved per rank: every key is absent."""
 
-    def __init__(self, arrays: Mapping[str, np.ndarray], absent: Sequence[str],
-                 saved: int, size: int) -> None:
-        super().__init__(arrays)
-        self._absent, self._sizes = set(absent), (saved, size)
 
-    def __missing__(self, key: str) -> np.ndarray:
-        if key not in self._absent:
+class Absent(dict):
+    """A dict of what a load read, without the values saved per rank at another world size:
+    reading one of those (`absent`, or with :data:`EVERY_KEY` any key) raises KeyError
+    saying why.  ``Resumed.extra``, and the dicts a provider's ``load_state_dict`` gets."""
+
+    def __init__(self, values: Mapping[Any, Any], absent: Sequence[Any] | None,
+                 saved: int, size: int, where: str = "extra") -> None:
+        super().__init__(values)
+        self._absent = None if absent is EVERY_KEY else set(absent)
+        self._sizes, self._where = (saved, size), where
+
+    def __missing__(self, key: Any) -> Any:
+        if self._absent is not None and key not in self._absent:
             raise KeyError(key)
         saved, size = self._sizes
         raise KeyError(
-            f"extra[{key!r}] was saved per rank (checkpoint.PerRank) at {saved} ranks and this "
-            f"job has {size}: each value belongs to a rank of that run, so none comes back; "
-            f"resume at {saved} ranks to get them, or start this value afresh (reseed a "
-            "generator, say) when the key is not in resumed.extra")
+            f"{self._where}[{key!r}] was saved per rank (checkpoint.PerRank) at {saved} ranks "
+            f"and this job has {size}: each value belongs to a rank of that run, so none comes "
+            f"back; resume at {saved} ranks to get them, or start this value afresh (reseed a "
+            "generator, say) when the key is not in the mapping")
 
 
 def resumed_extra(shared: Mapping[str, np.ndarray], own: Mapping[str, np.ndarray],
@@ -175,7 +214,7 @@ def resumed_extra(shared: Mapping[str, np.ndarray], own: Mapping[str, np.ndarray
     """The ``extra`` of a load at `size` ranks of a checkpoint saved at `saved`: the `shared`
     values and this rank's `own` ones (read at the same world size, else none of the
     `per_rank` keys: reading one raises KeyError naming the world sizes)."""
-    return _Extra({**shared, **own}, [] if saved == size else per_rank, saved, size)
+    return Absent({**shared, **own}, [] if saved == size else per_rank, saved, size)
 
 
 def _plain(value: Any, where: str) -> Any:

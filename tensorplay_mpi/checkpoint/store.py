@@ -1,8 +1,11 @@
 """Checkpoints: a training job's state in one directory, written atomically, loaded exactly.
 
-A checkpoint in directory ``DIR`` is one manifest, ``DIR/checkpoint.npz``, written by rank 0
-(parameters, buffers, the optimizer state when it is the same on every rank, the step and epoch
-counters, every rank's data cursor, small extra arrays), plus, for a
+:func:`save` and :func:`load` take a mapping of state providers (``{"model": dp,
+"optimizer": opt, "sampler": sampler}``: :mod:`tensorplay_mpi.checkpoint.providers` turns it
+into what is written, and back) or the arrays themselves (the array form).  A checkpoint in
+directory ``DIR`` is one manifest, ``DIR/checkpoint.npz``, written by rank 0 (parameters,
+buffers, the optimizer state when it is the same on every rank, the step and epoch counters,
+every rank's data cursor, small extra arrays, the providers' states), plus, for a
 :class:`~tensorplay_mpi.optim.ZeroRedundancyOptimizer` saved sharded, one file per rank
 holding its shard's state, and, for extra arrays that are each rank's own
 (:class:`~tensorplay_mpi.checkpoint.meta.PerRank`), one file per rank holding them.  Every
@@ -25,7 +28,7 @@ import glob
 import json
 import os
 import time
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -41,7 +44,8 @@ from ..optim.protocol import OptimizerState
 from ..process import set_up
 from ..replicas import digest
 from .meta import (check_config, check_extra, check_savable, encode_config, extra_digests,
-                   groups, resumed_extra, split_extra)
+                   groups, resumed_extra, split_extra, value_digests)
+from .providers import Contents, Plan, contents, plan
 
 __all__ = ["save", "load", "Saved", "Resumed", "MANIFEST"]
 
@@ -98,23 +102,30 @@ def _refuse_inside_join(what: str) -> None:
 
 
 def _begin(what: str, comm: MPI.Intracomm | None, timeout: float | None,
-           params: Sequence[Any], buffers: Sequence[Any]) -> tuple:
+           params: Sequence[Any], buffers: Sequence[Any],
+           refused: BaseException | None = None, mapping: bool = False) -> tuple:
     """What `save` and `load` (`what`) start with: refused inside a running Join, the
     communicator checked and set up, the deadline, the arrays (torch tensors: NumPy or CuPy
-    views), which every rank learns it could take (a tensor one rank cannot view raises on
-    every rank)."""
+    views), which every rank learns it could take (a tensor one rank cannot view, or this
+    rank's `refused` mapping entry, raises on every rank), and that every rank called the
+    same form (the `mapping` form or the array form)."""
     _refuse_inside_join(what)
     comm = check_comm(default_comm() if comm is None else comm)
     timeout = resolve_timeout(timeout)
     set_up(comm)
     Guard.attach(comm)
     arrays: tuple[list[Any], list[Any]] = ([], [])
-    error: BaseException | None = None
+    error = refused
     try:
-        arrays = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
-    except Exception as refused:  # a DLPack export's BufferError too, or a failing generator
-        error = refused
-    agree_or_raise(comm, error, f"checkpoint {what} (the arrays)", timeout)
+        if error is None:
+            arrays = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
+    except Exception as failed:  # a DLPack export's BufferError too, or a failing generator
+        error = failed
+    forms = agree_or_raise(comm, error, f"checkpoint {what} (the arrays)", timeout, int(mapping))
+    if (forms != forms[0]).any():
+        raise ValueError(f"checkpoint.{what} got a mapping of objects on rank(s) "
+                         f"{np.flatnonzero(forms).tolist()} and arrays on the others: call it "
+                         "in the same form on every rank")
     return comm, timeout, *arrays
 
 
@@ -261,41 +272,56 @@ def _unflatten(meta: dict, arrays: Mapping[str, np.ndarray], prefix: str,
 # -- save ----------------------------------------------------------------------------------------
 
 
-def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequence[Any] = (),
-         optimizer: OptimizerState | None = None, step: int = 0,
+def save(directory: str | os.PathLike, state: Mapping[str, Any] | Sequence[Any], *,
+         buffers: Sequence[Any] = (), optimizer: OptimizerState | None = None, step: int = 0,
          epoch: int = 0, cursor: int = 0, extra: Mapping[str, Any] | None = None,
          zero: str = "sharded", comm: MPI.Intracomm | None = None,
          timeout: float | None = None, config: Mapping[str, Any] | None = None) -> Saved:
     """Write a checkpoint to `directory` (made if missing), replacing the one there atomically.
 
     Collective over `comm`: every rank calls it, outside a Join or from a Join's ``on_save``
-    (a periodic save, see :func:`~tensorplay_mpi.request_save`), with the same `params` and
-    `buffers` (identical on every rank, as DataParallel keeps them), optimizer, `step` and
-    `epoch`; `cursor` is this rank's own (what it consumed of the current epoch).
+    (a periodic save, see :func:`~tensorplay_mpi.request_save`), with the same arguments.
+
+    Two forms.  The mapping form, ``save(directory, {"model": dp, "optimizer": opt,
+    "sampler": sampler, ...})``, takes `state`: names to objects that give their own state
+    (:mod:`tensorplay_mpi.checkpoint.providers`: a provider's ``state_dict()``, each rank's
+    own values as :class:`~tensorplay_mpi.checkpoint.meta.PerRank`; a
+    :class:`~tensorplay_mpi.DataParallel`'s parameters, buffers and ``steps``; an optimizer
+    of the library, a ZeroRedundancyOptimizer sharded or whole with
+    :class:`~tensorplay_mpi.checkpoint.providers.Consolidated`; a
+    :class:`~tensorplay_mpi.data.Sampler`'s epoch, cursors and state; random generators;
+    plain arrays and numbers), and none of the array form's keywords.  The array form,
+    ``save(directory, params, buffers=..., optimizer=..., step=..., cursor=..., extra=...)``,
+    takes the arrays and counters themselves; it is kept, as the form for bare arrays, and
+    both write the same format.
 
     Parameters
     ----------
     directory : str or os.PathLike
         The checkpoint directory, on a file system every rank sees.
-    params, buffers : sequences of arrays or torch tensors (CPU or CUDA)
-        NumPy or CuPy arrays, or torch tensors (``model.parameters()``, ``model.buffers()``,
-        parameters that require grad included); rank 0's are saved, bitwise.
+    state : mapping of str to objects, or sequence of arrays or torch tensors
+        The mapping form's objects (keys: non-empty strings without ``/``), or the array
+        form's `params`: NumPy or CuPy arrays, or torch tensors on the CPU or CUDA
+        (``model.parameters()``, parameters that require grad included); rank 0's are saved,
+        bitwise, and must be the same on every rank.
+    buffers : sequence of arrays or torch tensors
+        The array form: ``model.buffers()``, as `params`.
     optimizer : optional
-        A local optimizer (rank 0's state is saved: it is the same on every rank) or a
-        :class:`~tensorplay_mpi.optim.ZeroRedundancyOptimizer`.
+        The array form: a local optimizer (rank 0's state is saved: it is the same on every
+        rank) or a :class:`~tensorplay_mpi.optim.ZeroRedundancyOptimizer`.
     step, epoch, cursor : int
-        The counters (the same on every rank) and this rank's data cursor.
+        The array form: the counters (the same on every rank) and this rank's data cursor
+        (what it consumed of the current epoch).
     extra : mapping of str to array, optional
-        Small arrays saved as rank 0 has them (say, the epoch's running totals), the same on
-        every rank; numeric or string arrays only.  A torch optimizer's or scheduler's state
-        goes here as arrays (:func:`tensorplay_mpi.checkpoint.torch_state.state_arrays`), and
-        so does an RNG's state (:func:`tensorplay_mpi.checkpoint.rng.rng_state`).  A value
-        that is each rank's own (a per-rank generator's state) goes in wrapped in
-        :class:`~tensorplay_mpi.checkpoint.meta.PerRank`: every rank's is saved and
-        :func:`load` gives each rank back its own.
+        The array form: small arrays saved as rank 0 has them (say, the epoch's running
+        totals), the same on every rank; numeric or string arrays only.  An RNG's state goes
+        here as an array (:func:`tensorplay_mpi.checkpoint.rng.rng_state`); a value that is
+        each rank's own goes in wrapped in :class:`~tensorplay_mpi.checkpoint.meta.PerRank`:
+        every rank's is saved and :func:`load` gives each rank back its own.
     zero : {"sharded", "consolidated"}
-        For a ZeroRedundancyOptimizer: each rank writes its shard's state to its own file, or
-        rank 0 gathers the full state (``consolidate_state_dict``) and writes it.
+        The array form, for a ZeroRedundancyOptimizer: each rank writes its shard's state to
+        its own file, or rank 0 gathers the full state (``consolidate_state_dict``) and
+        writes it.
     comm : mpi4py.MPI.Intracomm, optional
         Defaults to ``MPI.COMM_WORLD``.
     timeout : float, optional
@@ -315,55 +341,113 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     OSError
         On every rank, when writing failed on some rank (the previous checkpoint stays).
     ValueError, TypeError
-        On every rank, for different counters or parameters on different ranks, `extra` keys
-        or plain `extra` values that differ across ranks (``ValueError``: rank 0's would be
-        saved; mark each rank's own with ``PerRank``), an unknown `zero`, an optimizer that is
-        none of the library's, a hyperparameter that cannot be saved, an array that would not
-        load back without pickle (object arrays, a dict in `extra`, structured dtypes) or a
-        `config` value that is not plain data; nothing is written.
+        On every rank, before anything is written: for counters, parameters or replicated
+        state that differ across ranks, `extra` keys or plain values (the mapping form:
+        entries) that differ across ranks (``ValueError``: rank 0's would be saved; mark each
+        rank's own with ``PerRank``), an unknown `zero`, an optimizer that is none of the
+        library's, a hyperparameter that cannot be saved, an array that would not load back
+        without pickle (object arrays, a dict in `extra`, structured dtypes), a `config` value
+        that is not plain data; in the mapping form, an object that is no provider (no
+        ``state_dict()`` and ``load_state_dict()``) nor an array (``TypeError``), a second
+        DataParallel, optimizer of the library or Sampler (``ValueError``), an array form's
+        keyword (``TypeError``), or an exception a ``state_dict()`` raised.
     RuntimeError
         Inside a running Join outside its ``on_save``, before any collective (the ranks still
         in the Join then raise :class:`~tensorplay_mpi.errors.PeerFailureError`).
+
+    Examples
+    --------
+    ::
+
+        state = {"model": dp, "optimizer": opt, "sampler": sampler, "rng": PerRank(rng)}
+        checkpoint.save(directory, state, comm=comm)
+        resumed = checkpoint.load(directory, state, comm=comm)  # None: a fresh start
     """
-    comm, timeout, params, buffers = _begin("save", comm, timeout, params, buffers)
+    if isinstance(state, Mapping):
+        given = _array_form_keywords(buffers=buffers, optimizer=optimizer, step=step,
+                                     epoch=epoch, cursor=cursor, extra=extra, zero=zero)
+        what, refused = _from_mapping("save", contents, state, given, Contents(entries={}))
+    else:
+        what, refused = Contents(state, buffers, optimizer, zero, step, epoch, cursor,
+                                 extra), None
+    return _save(os.fspath(directory), what, refused, comm, timeout, config)
+
+
+_ARRAY_FORM = {"buffers": (), "optimizer": None, "step": 0, "epoch": 0, "cursor": 0,
+               "extra": None, "zero": "sharded"}  # the keywords of the array form alone
+
+
+def _array_form_keywords(**given: Any) -> list[str]:
+    """The array form's keywords among `given` that differ from their defaults."""
+    return [name for name, value in given.items()
+            if not (value is _ARRAY_FORM[name] or (type(value) is type(_ARRAY_FORM[name])
+                                                    and value == _ARRAY_FORM[name]))]
+
+
+def _from_mapping(what: str, build: Callable[[Mapping[str, Any]], Any],
+                  state: Mapping[str, Any], given: list[str], empty: Any) -> tuple[Any, Any]:
+    """``build(state)`` (the mapping form's contents or plan) and None, or `empty` and the
+    error that refuses it (on every rank: the first agreement carries it)."""
+    _refuse_inside_join(what)  # before any provider's state_dict()
+    try:
+        if given:
+            raise TypeError(
+                f"the provider form of checkpoint.{what} (a mapping of names to objects) "
+                f"takes no {', '.join(f'{name}=' for name in given)}: the objects of the "
+                "mapping give their state (a DataParallel its parameters, buffers and steps, "
+                "an optimizer its state, checkpoint.Consolidated(zero) a whole ZeRO state, a "
+                "Sampler its epoch and cursor, other values as they are)")
+        return build(state), None
+    except Exception as refused:  # a TypeError or ValueError, or a failing state_dict()
+        return empty, refused
+
+
+def _save(directory: str, what: Contents, refused: BaseException | None,
+          comm: MPI.Intracomm | None, timeout: float | None,
+          config: Mapping[str, Any] | None) -> Saved:
+    """:func:`save` of `what` (either form); `refused`: this rank's mapping was refused."""
+    comm, timeout, params, buffers = _begin("save", comm, timeout, what.params, what.buffers,
+                                            refused, what.entries is not None)
     start = time.perf_counter()
     rank, size = comm.Get_rank(), comm.Get_size()
-    directory = os.fspath(directory)
+    optimizer = what.optimizer
     params = [host_array(p) for p in params]  # once: the replica digest, then rank 0's manifest
     buffers = [host_array(b) for b in buffers]
     replicated = optimizer.replicated_state() if isinstance(optimizer, OptimizerState) else []
     unsavable: Exception | None = None
     try:  # refused after the counters' gather, which every rank must reach
-        shared, own = split_extra(extra)
-    except Exception as refused:  # a TypeError, or a failing device copy
-        unsavable, shared, own = refused, {}, {}
-    counters = np.array([step, epoch, cursor, time.time_ns(),
+        shared, own = split_extra(what.extra)
+    except Exception as failed:  # a TypeError, or a failing device copy
+        unsavable, shared, own = failed, {}, {}
+    counters = np.array([what.step, what.epoch, what.cursor, time.time_ns(),
                          digest(params + buffers + replicated), unsavable is None,
                          *extra_digests(shared, own)], dtype=np.int64)
     every = np.empty((size, counters.size), dtype=np.int64)
     iallgather(comm, counters, every, "checkpoint counters").wait_or_abort(timeout)
     token = int(every[0, 3])
+    differing = _differing(comm, every, shared, timeout, what.entries)
     error: BaseException | None = None
     try:
-        if (every[:, :2] != every[0, :2]).any():
-            raise ValueError(f"ranks passed different step/epoch counters (by rank: "
-                             f"{every[:, :2].tolist()}); pass the same on every rank")
-        kind = _optimizer_kind(optimizer, zero)
+        _check_counters(every, what.entries is not None)
+        kind = _optimizer_kind(optimizer, what.zero)
         check_savable(params, buffers, None)
         if unsavable is not None:
             raise unsavable
         _check_replicated(every[:, 4])
         if every[:, 5].all():  # else the rank whose extra failed raises its own error
-            check_extra(every[:, 6], every[:, 7], shared, own)
-        recorded = encode_config(config)
-    except Exception as refused:
-        error = refused
+            check_extra(every[:, 6], every[:, 7], shared, own, differing,
+                        entries=what.entries is not None)
+        recorded = {name: value for name, value in (("config", encode_config(config)),
+                                                    ("providers", what.entries))
+                    if value is not None}
+    except Exception as failed:
+        error = failed
     agree_or_raise(comm, error, "checkpoint arguments", timeout)
 
     if kind == "zero-consolidated":
         assert optimizer is not None  # a sharded optimizer
         optimizer.consolidate_state_dict(to=0)
-    mine = [_shard_path(directory, rank, size, token, what) for what in _PER_RANK_FILES]
+    mine = [_shard_path(directory, rank, size, token, name) for name in _PER_RANK_FILES]
     try:
         written = _write_files(comm, directory, mine, params, buffers, optimizer, kind, every,
                                (shared, own), timeout, recorded, start)
@@ -376,6 +460,33 @@ def save(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     _remove_stale(directory, rank, mine)  # local: the commit's agreement was the last one
     return Saved(os.path.join(directory, MANIFEST), int(written[:, 0].sum()),
                  float(written[:, 1].max() / 1e9))
+
+
+def _check_counters(every: np.ndarray, entries: bool) -> None:
+    """Raise ValueError unless every rank gave the same step and epoch counters (with
+    `entries`, the mapping form: the DataParallel's steps and the Sampler's epoch)."""
+    if (every[:, :2] != every[0, :2]).any():
+        what = ("the DataParallel's steps or the Sampler's epoch differ across ranks"
+                if entries else "ranks passed different step/epoch counters")
+        raise ValueError(f"{what} (by rank: {every[:, :2].tolist()}); pass the same on every "
+                         "rank")
+
+
+def _differing(comm: MPI.Intracomm, every: np.ndarray, shared: Mapping[str, np.ndarray],
+               timeout: float, entries: Mapping[str, str] | None) -> list[str]:
+    """The plain values (extra keys, or the mapping form's entries) that differ across ranks,
+    when the gathered counters (`every`, the same on every rank) say some do: a second gather
+    of a digest per value, only then (every rank decides alike)."""
+    if not (every[:, 5].all() and (every[:, 6] == every[0, 6]).all()
+            and (every[:, 7] != every[0, 7]).any()):
+        return []
+    mine = value_digests(shared)
+    each = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
+    iallgather(comm, mine, each, "checkpoint extra digests").wait_or_abort(timeout)
+    keys = [key for j, key in enumerate(sorted(shared)) if (each[:, j] != each[0, j]).any()]
+    if entries is None:
+        return keys
+    return sorted({key.split("/", 1)[0] for key in keys})
 
 
 def _check_replicated(digests: np.ndarray) -> None:
@@ -393,12 +504,13 @@ def _check_replicated(digests: np.ndarray) -> None:
 def _write_files(comm: MPI.Intracomm, directory: str, mine: Sequence[str],
                  params: Sequence[Any], buffers: Sequence[Any], optimizer: Any, kind: str,
                  every: np.ndarray, extra: tuple[dict[str, np.ndarray], dict[str, np.ndarray]],
-                 timeout: float, config: dict[str, Any] | None = None,
+                 timeout: float, recorded: Mapping[str, Any] | None = None,
                  start: float = 0.0) -> np.ndarray:
     """Write this rank's files (`mine`: its shard, its per-rank extras), agree, then rank 0
-    writes the manifest (the commit point), agree, the save's last collective; every rank's
-    bytes written and nanoseconds since `start` (a ``perf_counter`` reading), a row per
-    rank."""
+    writes the manifest (the commit point, its metadata with the `recorded` entries: the
+    configuration, the mapping form's entries), agree, the save's last collective; every
+    rank's bytes written and nanoseconds since `start` (a ``perf_counter`` reading), a row
+    per rank."""
     error: BaseException | None = None
     nbytes, rank = 0, comm.Get_rank()
     shared, own = extra
@@ -412,9 +524,9 @@ def _write_files(comm: MPI.Intracomm, directory: str, mine: Sequence[str],
             nbytes += write_arrays(mine[1], {f"extra/{k}": v for k, v in own.items()})
         if rank == 0:
             manifest = _manifest(params, buffers, optimizer, kind, every, shared, sorted(own))
-            if config is not None:
+            if recorded:
                 meta = json.loads(str(manifest["meta"]))
-                manifest["meta"] = np.array(json.dumps({**meta, "config": config}))
+                manifest["meta"] = np.array(json.dumps({**meta, **recorded}))
     except Exception as failed:
         error = failed
     parts = [name for name, wrote in (("optimizer shards", kind == "zero-sharded"),
@@ -482,30 +594,36 @@ def _manifest(params: Sequence[Any], buffers: Sequence[Any], optimizer: Any, kin
 # -- load ----------------------------------------------------------------------------------------
 
 
-def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequence[Any] = (),
-         optimizer: OptimizerState | None = None,
+def load(directory: str | os.PathLike, state: Mapping[str, Any] | Sequence[Any], *,
+         buffers: Sequence[Any] = (), optimizer: OptimizerState | None = None,
          comm: MPI.Intracomm | None = None, timeout: float | None = None,
          config: Mapping[str, Any] | None = None, resize: bool = False) -> Resumed | None:
-    """Load the checkpoint in `directory` into `params`, `buffers` and `optimizer`, in place.
+    """Load the checkpoint in `directory` into the objects of `state` (the mapping form), or
+    into `params`, `buffers` and `optimizer` (the array form), in place.
 
     Collective over `comm`: every rank calls it, outside a running Join (or inside its
     ``on_save``, where every rank is at one point), with the same arguments as :func:`save`
-    took.  Nothing is modified unless every rank could read and check everything.
+    took (in the mapping form, the entries to load: others the checkpoint holds are left).
+    Nothing is modified unless every rank could read and check everything; in the mapping
+    form each provider's ``load_state_dict`` then runs, in the mapping's order, and an
+    exception it raises on some rank raises on every rank (the entries before it loaded).
     With `config`, the configuration the checkpoint recorded (``save(..., config=)``) must be
     equal, key by key; leave out the keys a resume may change (say, the number of epochs).
     With ``resize=True`` a checkpoint saved at another world size loads: the replicated state
     as it is, a ZeRO state saved sharded re-sharded over this world size (every rank reads
-    every saved shard), and the data cursors are left to the caller to re-split
-    (:class:`tensorplay_mpi.data.Sampler`).  The extra arrays saved per rank
-    (:class:`~tensorplay_mpi.checkpoint.meta.PerRank`) come back to their own ranks at the
-    saved world size; at another one none does: their keys are absent from ``Resumed.extra``,
-    and reading one raises ``KeyError`` naming both world sizes.
+    every saved shard), and the data cursors re-split by a Sampler of the mapping (in the
+    array form, left to the caller: :meth:`tensorplay_mpi.data.Sampler.resume`).  Values
+    saved per rank (:class:`~tensorplay_mpi.checkpoint.meta.PerRank`) come back to their own
+    ranks at the saved world size; at another one none does: their keys are absent from
+    ``Resumed.extra`` and from the dicts a provider's ``load_state_dict`` gets, and reading
+    one raises ``KeyError`` naming both world sizes.
 
     Returns
     -------
     Resumed or None
-        The counters and this rank's cursor; None on every rank when `directory` holds no
-        checkpoint (a fresh start).
+        The counters (in the mapping form, the DataParallel's steps and the Sampler's epoch
+        and cursors), this rank's cursor, the plain values (``extra``); None on every rank
+        when `directory` holds no checkpoint (a fresh start: nothing is loaded).
 
     Raises
     ------
@@ -513,16 +631,33 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         On every rank, when the checkpoint was saved at another world size, for other
         parameter or buffer shapes/dtypes, another optimizer (class, state shapes, or none),
         in another format, when only some ranks see it (the directory must be on a file
-        system every rank shares), or when `config` differs from the recorded one (naming
-        every key that differs).
+        system every rank shares), when `config` differs from the recorded one (naming
+        every key that differs); in the mapping form, for an entry the checkpoint lacks or
+        saved from another kind of object, or a Sampler it cannot resume.
+    TypeError
+        On every rank, in the mapping form, for an object that is no provider nor a plain
+        value, or an array form's keyword.
     OSError
         On every rank, when reading failed on some rank.
     RuntimeError
         Inside a running Join outside its ``on_save``, before any collective.
     """
-    comm, timeout, params, buffers = _begin("load", comm, timeout, params, buffers)
+    if isinstance(state, Mapping):
+        given = _array_form_keywords(buffers=buffers, optimizer=optimizer)
+        into, refused = _from_mapping("load", plan, state, given, Plan(entries={}))
+    else:
+        into, refused = Plan(state, buffers, optimizer), None
+    return _load(os.fspath(directory), into, refused, comm, timeout, config, resize)
+
+
+def _load(directory: str, into: Plan, refused: BaseException | None,
+          comm: MPI.Intracomm | None, timeout: float | None,
+          config: Mapping[str, Any] | None, resize: bool) -> Resumed | None:
+    """:func:`load` `into` (either form); `refused`: this rank's mapping was refused."""
+    comm, timeout, params, buffers = _begin("load", comm, timeout, into.params, into.buffers,
+                                            refused, into.partial)
     rank, size = comm.Get_rank(), comm.Get_size()
-    path = os.path.join(os.fspath(directory), MANIFEST)
+    path = os.path.join(directory, MANIFEST)
     found = agree_or_raise(comm, None, "checkpoint lookup", timeout, int(os.path.exists(path)))
     if not found.any():
         return None
@@ -536,11 +671,13 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
         arrays = read_arrays(path)
         meta = json.loads(str(arrays["meta"]))
         token = meta["token"]
-        _check_manifest(meta, params, buffers, size, resize)
+        _check_manifest(meta, params, buffers, size, resize, into.partial and into.model is None)
         check_config(meta.get("config"), config)
-        state, shard = _optimizer_state(meta, arrays, optimizer, os.fspath(directory), rank,
-                                        size)
-        own = _own_extra(meta, os.fspath(directory), rank, size)
+        extra = resumed_extra(_extra_of(arrays), _own_extra(meta, directory, rank, size),
+                              meta.get("per_rank", []), meta["world_size"], size)
+        loads = into.prepare(meta, extra, size)  # the mapping form's entries, checked first
+        state, shard = (None, False) if into.partial and into.optimizer is None else \
+            _optimizer_state(meta, arrays, into.optimizer, directory, rank, size)
     except Exception as failed:
         error = failed
     tokens = agree_or_raise(comm, error, f"checkpoint load ({path})", timeout, token)
@@ -553,20 +690,37 @@ def load(directory: str | os.PathLike, params: Sequence[Any], *, buffers: Sequen
     for i, b in enumerate(buffers):
         _copy_into(b, arrays[f"buffers/{i}"])
     torch_cuda.hand_back()
-    if state is not None and optimizer is not None:
+    if state is not None and into.optimizer is not None:
         if shard:
-            optimizer.load_shard_state_dict(state)
+            into.optimizer.load_shard_state_dict(state)
         else:
-            optimizer.load_state_dict(state)
-    extra = resumed_extra(_extra_of(arrays), own, meta.get("per_rank", []),
+            into.optimizer.load_state_dict(state)
+    if into.partial:
+        _load_entries(comm, loads, timeout)
+    plain = into.plain(meta)
+    extra = resumed_extra({k: v for k, v in extra.items() if plain(k)}, {},
+                          [k for k in meta.get("per_rank", []) if plain(k)],
                           meta["world_size"], size)
     cursors = tuple(meta["cursors"])
     cursor = cursors[rank] if len(cursors) == size else 0
     return Resumed(meta["step"], meta["epoch"], cursor, cursors, extra, path, len(cursors))
 
 
+def _load_entries(comm: MPI.Intracomm, loads: Sequence[Callable[[], None]],
+                  timeout: float) -> None:
+    """Run the mapping form's `loads` (each entry's ``load_state_dict``, in the mapping's
+    order), then agree: one that raised on some rank raises on every rank."""
+    error: BaseException | None = None
+    try:
+        for load_entry in loads:
+            load_entry()
+    except Exception as failed:
+        error = failed
+    agree_or_raise(comm, error, "checkpoint load (the state providers)", timeout)
+
+
 def _check_manifest(meta: dict, params: Sequence[Any], buffers: Sequence[Any],
-                    size: int, resize: bool = False) -> None:
+                    size: int, resize: bool = False, without_model: bool = False) -> None:
     if meta.get("format") != FORMAT:
         raise ValueError(f"checkpoint format {meta.get('format')!r}, this version reads "
                          f"format {FORMAT}")
@@ -575,7 +729,7 @@ def _check_manifest(meta: dict, params: Sequence[Any], buffers: Sequence[Any],
                          f"{size}: its data cursors describe {meta['world_size']} shards; resume "
                          f"at {meta['world_size']} ranks, or pass resize=True and re-split the "
                          "data (tensorplay_mpi.data.Sampler)")
-    for name, arrays in (("params", params), ("buffers", buffers)):
+    for name, arrays in (() if without_model else (("params", params), ("buffers", buffers))):
         mine = [[list(a.shape), a.dtype.str] for a in arrays]
         if meta[name] != mine:
             raise ValueError(f"the checkpoint holds {name} {_layout(meta[name])}, this job has "

@@ -28,9 +28,13 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
+
+from ..comm.buffers import is_device_array
+from ..comm.tensors import host_array
+from .meta import PerRank, extra_array
 
 __all__ = ["state_arrays", "load_state_arrays"]
 
@@ -62,7 +66,7 @@ def state_arrays(obj: Any, prefix: str) -> dict[str, np.ndarray]:
     _check_prefix(prefix)
     _check_stateful(obj, "state_dict")
     arrays: dict[str, np.ndarray] = {}
-    tree = _encode(obj.state_dict(), arrays, prefix, "state_dict()")
+    tree = encode_tree(obj.state_dict(), arrays, prefix, "state_dict()")
     arrays[f"{prefix}/tree"] = np.array(json.dumps(tree, allow_nan=True))
     return arrays
 
@@ -84,7 +88,7 @@ def load_state_arrays(obj: Any, arrays: Mapping[str, np.ndarray], prefix: str) -
         raise KeyError(f"no torch state saved under {prefix!r} (found: {found})")
     _check_stateful(obj, "load_state_dict")
     tree = json.loads(str(arrays[key]))
-    obj.load_state_dict(_decode(tree, arrays, prefix))
+    obj.load_state_dict(decode_tree(tree, arrays, prefix))
 
 
 def _check_stateful(obj: Any, method: str) -> None:
@@ -98,47 +102,72 @@ def _check_prefix(prefix: str) -> None:
         raise ValueError(f"prefix must be a non-empty str, got {prefix!r}")
 
 
-def _encode(value: Any, arrays: dict[str, np.ndarray], prefix: str, where: str) -> Any:
-    """JSON for `value`; its tensors and arrays go into `arrays`, referred to by number."""
+def encode_tree(value: Any, arrays: dict[str, Any], prefix: str, where: str) -> Any:
+    """JSON for the tree `value`; its tensors and arrays go into `arrays`, referred to by
+    number (``"PREFIX/N"``), a :class:`~tensorplay_mpi.checkpoint.meta.PerRank` leaf (a dict's
+    value) as ``PerRank(host array)``.  TypeError, naming `where` in the tree, for what cannot
+    be saved without pickle."""
     torch = sys.modules.get("torch")
+    if isinstance(value, PerRank):
+        host = extra_array(prefix, value.value, where)
+        return {"per_rank": _number(arrays, prefix, PerRank(host))}
     if torch is not None and isinstance(value, torch.Tensor):
         try:  # a CUDA tensor: a host copy (torch's load_state_dict moves it back)
             host = value.detach().cpu().numpy().copy()
         except (TypeError, RuntimeError) as error:
             raise TypeError(f"{where} is a torch tensor of dtype {value.dtype}, which NumPy "
                             f"cannot hold ({error})") from None
-        return _array(host, arrays, prefix, "tensor")
-    if isinstance(value, np.ndarray):
+        return {"tensor": _number(arrays, prefix, host)}
+    if isinstance(value, np.ndarray) or is_device_array(value):
         if value.dtype.hasobject:
             raise TypeError(f"{where} is a NumPy array of objects: only numbers can be saved")
-        return _array(value.copy(), arrays, prefix, "ndarray")
+        return {"ndarray": _number(arrays, prefix, np.array(host_array(value)))}
     if isinstance(value, np.generic):
         return {"numpy": value.dtype.str, "value": value.item()}
     if isinstance(value, dict):
-        items = [[_encode(k, arrays, prefix, f"{where} key {k!r}"),
-                  _encode(v, arrays, prefix, f"{where}[{k!r}]")] for k, v in value.items()]
+        items = [[encode_tree(k, arrays, prefix, f"{where} key {k!r}"),
+                  encode_tree(v, arrays, prefix, f"{where}[{k!r}]")] for k, v in value.items()]
         return {"dict": items}
     if isinstance(value, (list, tuple)):
         kind = "list" if isinstance(value, list) else "tuple"
-        return {kind: [_encode(v, arrays, prefix, f"{where}[{i}]") for i, v in enumerate(value)]}
+        if any(isinstance(v, PerRank) for v in value):
+            raise TypeError(f"{where} is a {kind} holding a checkpoint.PerRank value: put "
+                            "each rank's own values under the keys of a dict (at another "
+                            "world size they are left out of it)")
+        return {kind: [encode_tree(v, arrays, prefix, f"{where}[{i}]")
+                       for i, v in enumerate(value)]}
     if isinstance(value, float) and not math.isfinite(value):
         return {"float": repr(value)}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise TypeError(f"{where} = {value!r} ({type(value).__name__}) cannot be saved without "
-                    "pickle: only tensors, numbers, strings, booleans, None, and dicts, lists "
-                    "and tuples of them")
+                    "pickle: only tensors, arrays, numbers, strings, booleans, None, and dicts, "
+                    "lists and tuples of them")
 
 
-def _array(host: np.ndarray, arrays: dict[str, np.ndarray], prefix: str, kind: str) -> dict:
+def _number(arrays: dict[str, Any], prefix: str, host: Any) -> int:
+    """Put `host` in `arrays` under the next number of `prefix`; that number."""
     number = sum(1 for k in arrays if k != f"{prefix}/tree")
     arrays[f"{prefix}/{number}"] = host
-    return {kind: number}
+    return number
 
 
-def _decode(tree: Any, arrays: Mapping[str, np.ndarray], prefix: str) -> Any:
+ABSENT = object()
+"""What :func:`decode_tree` makes of a per-rank leaf the arrays lack (saved at another world
+size): left out of its dict."""
+
+
+def decode_tree(tree: Any, arrays: Mapping[str, np.ndarray], prefix: str,
+                dict_of: Callable[[dict, list, str], dict] | None = None,
+                where: str = "") -> Any:
+    """The inverse of :func:`encode_tree`: tensors as CPU torch tensors, arrays as NumPy
+    arrays.  A per-rank leaf that `arrays` lack is left out of its dict, which `dict_of`
+    makes (``dict_of(values, absent_keys, where)``; default: a plain dict)."""
     if not isinstance(tree, dict):
         return tree
+    if "per_rank" in tree:
+        key = f"{prefix}/{tree['per_rank']}"
+        return np.array(arrays[key]) if key in arrays else ABSENT
     if "tensor" in tree:
         return sys.modules["torch"].from_numpy(np.array(arrays[f"{prefix}/{tree['tensor']}"]))
     if "ndarray" in tree:
@@ -148,7 +177,16 @@ def _decode(tree: Any, arrays: Mapping[str, np.ndarray], prefix: str) -> Any:
     if "float" in tree:
         return float(tree["float"])
     if "dict" in tree:
-        return {_decode(k, arrays, prefix): _decode(v, arrays, prefix) for k, v in tree["dict"]}
-    if "list" in tree:
-        return [_decode(v, arrays, prefix) for v in tree["list"]]
-    return tuple(_decode(v, arrays, prefix) for v in tree["tuple"])
+        values, absent = {}, []
+        for k, v in tree["dict"]:
+            key = decode_tree(k, arrays, prefix, dict_of, where)
+            value = decode_tree(v, arrays, prefix, dict_of, f"{where}[{key!r}]")
+            if value is ABSENT:
+                absent.append(key)
+            else:
+                values[key] = value
+        return dict_of(values, absent, where) if dict_of is not None and absent else values
+    kind = "list" if "list" in tree else "tuple"
+    items = [decode_tree(v, arrays, prefix, dict_of, f"{where}[{i}]")
+             for i, v in enumerate(tree[kind])]
+    return items if kind == "list" else tuple(items)

@@ -329,12 +329,17 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
            f"; on {dp.join_device}" if args.device == "cuda" else "")
     first, tally = 1, Tally(len(y_train))
     config = run_config(args)
-    resumed = (checkpoint.load(args.checkpoint, params, comm=comm, config=config, resize=True)
-               if args.checkpoint else None)
+    state = {"model": dp, "optimizer": opt, "sampler": sampler}  # what a checkpoint holds
+
+    def save(comm: MPI.Intracomm, totals: dict[str, np.ndarray]) -> checkpoint.Saved:
+        """The demo's one save (a stop's, a periodic one, the last): `state`, and the epoch's
+        `totals` so far summed over the ranks."""
+        return checkpoint.save(args.checkpoint, {**state, **totals}, comm=comm, config=config)
+
+    resumed = (checkpoint.load(args.checkpoint, state, comm=comm, config=config, resize=True)
+               if args.checkpoint else None)  # the sampler resumes: its epoch and cursors
     if resumed is not None:
-        first = resumed.epoch
-        if first <= args.epochs:
-            sampler.resume(first, resumed.cursors, resumed.extra.get("sampler"))
+        first = sampler.epoch
         if comm.rank == 0:  # the epoch's totals so far, summed over the ranks that saved
             tally = Tally(len(y_train), resumed.extra)
             where = ("training was complete" if first > args.epochs else
@@ -350,20 +355,17 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         sampler.set_epoch(epoch)  # a resumed epoch goes on from the cursors
         tally = tally if epoch == first else Tally(len(y_train))
         step0 = (epoch - 1) * sampler.max_batches()  # steps before this epoch (approximately,
-        # after a resize: the step only numbers the saves)
+        # after a resize: it only spaces the periodic saves)
         survivors.lost_in_epoch = False
 
-        def save(epoch: int = epoch, step0: int = step0) -> None:  # the Join's on_save
-            checkpoint.save(args.checkpoint, params, step=step0 + join.iterations, epoch=epoch,
-                            cursor=sampler.cursor, comm=survivors.comm, config=config,
-                            extra={"sampler": sampler.state(),  # noqa: B023  (this epoch's)
-                                   **tally.summed(survivors.comm)})  # noqa: B023
+        def periodic_save() -> None:  # the Join's on_save: every rank, at one iteration
+            save(survivors.comm, tally.summed(survivors.comm))  # noqa: B023  (this epoch's)
 
         while True:  # once, or again on the survivors after a lost rank (--elastic)
             split_start, pending = opt.steps, None
             try:
                 with Join([dp, opt], divide_by_initial_world_size=args.divide == "world",
-                          on_save=save if args.save_every else None,
+                          on_save=periodic_save if args.save_every else None,
                           elastic=args.elastic) as join:
                     for idx in sampler:
                         if join.stopped:  # every rank leaves at this same iteration
@@ -394,11 +396,7 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         comm = survivors.comm
         totals = summed["totals"]
         if join.stopped:
-            step = step0 + comm.allreduce(sampler.cursor, op=MPI.MAX)
-            saved = checkpoint.save(args.checkpoint, params, step=step, epoch=epoch,
-                                    cursor=sampler.cursor, comm=comm, config=config,
-                                    extra={"sampler": sampler.state(), **summed})
-            stopped(comm, join.stop_reason, epoch, step, saved)
+            stopped(comm, join.stop_reason, epoch, dp.steps, save(comm, summed))
             return STOPPED
         if resumed is not None and epoch == first and not once(comm, epoch, summed["seen"]):
             return 1
@@ -407,8 +405,8 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
             return 1
         epoch_done(comm, epoch, args.epochs, totals, validation)
     if args.checkpoint and first <= args.epochs:  # so that running it again only reports
-        checkpoint.save(args.checkpoint, params, step=args.epochs * sampler.max_batches(),
-                        epoch=args.epochs + 1, comm=comm, config=config)
+        sampler.set_epoch(args.epochs + 1)
+        save(comm, {})
     hits = forward(params, xp.asarray(x_test))[1].argmax(axis=1) == xp.asarray(y_test)
 
     def finish() -> int:

@@ -17,8 +17,9 @@ has run out of batches runs it too.  DataParallel binds each ``p.grad`` to its b
 buffers identical on every rank.
 
 ``--checkpoint DIR`` stops and resumes exactly as in :mod:`tensorplay_mpi.examples.train`: a
-signal stops every rank at one step, the job saves the parameters, the buffers, the optimizer's
-and the scheduler's state (:mod:`tensorplay_mpi.checkpoint.torch_state`) and exits 75; the same
+signal stops every rank at one step, the job saves in one call the DataParallel (parameters,
+buffers), the optimizer, the scheduler (torch providers: their ``state_dict()``) and the
+:class:`~tensorplay_mpi.data.Sampler` (the batches, as the NumPy demo's) and exits 75; the same
 command resumes and ends with the digest of a run never stopped (parameters and buffers).
 ``--save-every STEPS`` also saves every STEPS steps through the Join's ``on_save``, so a run
 killed with SIGKILL resumes from the last one.
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 import time
@@ -43,9 +43,8 @@ from mpi4py import MPI
 
 from tensorplay_mpi import (DataParallel, Join, JoinableComm, checkpoint, request_save,
                              stop_on_signals)
-from tensorplay_mpi.checkpoint import torch_state
 from tensorplay_mpi.comm import iallreduce
-from tensorplay_mpi.data import batches, shard, shard_sizes
+from tensorplay_mpi.data import Sampler
 from tensorplay_mpi.examples.evaluation import validate
 
 from .train import (STOPPED, digits, epoch_done, header, init_mlp, make_parser, parse_args, report,
@@ -137,8 +136,9 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
 
     device = torch_device(comm, args.device)
     (x_train, y_train), (x_test, y_test) = digits(args.seed)
-    mine = shard(len(y_train), comm.rank, comm.size, args.skew)
-    per_epoch = math.ceil(max(shard_sizes(len(y_train), comm.size, args.skew)) / args.batch_size)
+    sampler = Sampler(len(y_train), comm.rank, comm.size, batch_size=args.batch_size,
+                      seed=args.seed, skew=args.skew)  # the NumPy demo's batches, in its order
+    per_epoch = sampler.max_batches()
     model = make_model(x_train.shape[1], args.hidden, 10, args.seed, args.norm).to(device)
     joinables: list[Any] = []
     if args.norm == "sync":  # the statistics are operations of a JoinableComm in the Join
@@ -150,13 +150,11 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
     dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(), update=update)
     header(comm, args, len(y_train), len(y_test), f"; on {dp.join_device}" if
            args.device == "cuda" else "")
-    first, skip, carried = 1, 0, np.zeros(3)
-    resumed = checkpoint.load(args.checkpoint, model.parameters(), buffers=model.buffers(),
-                              comm=comm) if args.checkpoint else None
-    if resumed is not None:
-        torch_state.load_state_arrays(opt, resumed.extra, "optimizer")
-        torch_state.load_state_arrays(sched, resumed.extra, "scheduler")
-        first, skip = resumed.epoch, resumed.cursor
+    first, carried = 1, np.zeros(3)
+    state = {"model": dp, "optimizer": opt, "scheduler": sched, "sampler": sampler}
+    resumed = checkpoint.load(args.checkpoint, state, comm=comm) if args.checkpoint else None
+    if resumed is not None:  # every object of `state` in place, the sampler at its cursor
+        first = sampler.epoch
         carried = resumed.extra["totals"] if comm.rank == 0 else carried
         if comm.rank == 0:
             where = ("training was complete" if first > args.epochs else
@@ -164,28 +162,25 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                      f"{list(resumed.cursors)})")
             print(f"resumed from {resumed.path}: {where}", flush=True)
 
-    def save(step: int, epoch: int, cursor: int, totals: np.ndarray) -> checkpoint.Saved:
-        extra = {"totals": totals, **torch_state.state_arrays(opt, "optimizer"),
-                 **torch_state.state_arrays(sched, "scheduler")}
-        return checkpoint.save(args.checkpoint, model.parameters(), buffers=model.buffers(),
-                               step=step, epoch=epoch, cursor=cursor, extra=extra, comm=comm)
+    def save(totals: np.ndarray) -> checkpoint.Saved:
+        """The one save: `state`, and the epoch's `totals` so far summed over the ranks."""
+        return checkpoint.save(args.checkpoint, {**state, "totals": totals}, comm=comm)
 
     start = time.perf_counter()
     for epoch in range(first, args.epochs + 1):
         model.train()  # BatchNorm: batch statistics, running statistics updated
-        rng = np.random.default_rng([args.seed, epoch, comm.rank])  # order: f(seed, epoch)
-        done = skip if epoch == first else 0  # batches of this epoch consumed: the cursor
+        sampler.set_epoch(epoch)  # a resumed epoch goes on from the cursor
         totals = carried.copy() if epoch == first else np.zeros(3)  # loss, correct, samples
         step0 = (epoch - 1) * per_epoch
 
-        def periodic_save(epoch: int = epoch, step0: int = step0) -> None:  # the Join's on_save
+        def periodic_save() -> None:  # the Join's on_save: every rank, at one iteration
             summed = np.empty(3)  # through the library's collectives (every rank is here)
             iallreduce(comm, totals, summed).wait()  # noqa: B023  (this epoch's)
-            save(step0 + join.iterations, epoch, done, summed)  # noqa: B023
+            save(summed)
 
         with Join([dp, *joinables], divide_by_initial_world_size=args.divide == "world",
                   on_save=periodic_save if args.save_every else None) as join:
-            for idx in batches(mine, args.batch_size, rng)[done:]:
+            for idx in sampler:
                 if join.stopped:  # every rank leaves at this same iteration
                     break
                 x = torch.from_numpy(x_train[idx]).to(device)
@@ -195,14 +190,11 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                     logits, loss = loss_of(model, x, y)
                     loss.backward()
                 totals += (loss.item() * len(idx), int((logits.argmax(1) == y).sum()), len(idx))
-                done += 1
-                if args.save_every and (step0 + done) % args.save_every == 0:
+                if args.save_every and (step0 + sampler.cursor + 1) % args.save_every == 0:
                     request_save(f"every {args.save_every} steps")  # every active rank asks
         totals = comm.allreduce(totals)  # outside the Join: plain MPI is fine
         if join.stopped:
-            step = (epoch - 1) * per_epoch + comm.allreduce(done, op=MPI.MAX)
-            saved = save(step, epoch, done, totals)
-            stopped(comm, join.stop_reason, epoch, step, saved)
+            stopped(comm, join.stop_reason, epoch, dp.steps, save(totals))
             return STOPPED
         model.eval()  # BatchNorm: the running statistics, no collective
         with torch.no_grad():
@@ -210,15 +202,16 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                                   x_test, y_test, args.batch_size, args.skew, torch_metrics=True)
         epoch_done(comm, epoch, args.epochs, totals, validation)
     if args.checkpoint and first <= args.epochs:  # so that running it again only reports
-        save(args.epochs * per_epoch, args.epochs + 1, 0, np.zeros(3))
+        sampler.set_epoch(args.epochs + 1)
+        save(np.zeros(3))
     elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
     model.eval()
     with torch.no_grad():
         predicted = model(torch.from_numpy(x_test).to(device)).argmax(1).cpu().numpy()
     accuracy = float((predicted == y_test).mean())
-    state = [t.detach().cpu().numpy() for t in model.state_dict().values()]  # buffers too
-    return report(comm, args, state, accuracy, elapsed, len(y_test))
+    arrays = [t.detach().cpu().numpy() for t in model.state_dict().values()]  # buffers too
+    return report(comm, args, arrays, accuracy, elapsed, len(y_test))
 
 
 if __name__ == "__main__":
