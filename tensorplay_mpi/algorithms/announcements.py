@@ -28,7 +28,8 @@ __all__ = ["END", "ALLREDUCE", "ALLGATHER", "BCAST", "REFUSED", "CARRIED_ALLREDU
            "OP_KINDS", "FIELDS", "ROOT_IS_ME", "RANK", "PAYLOAD_AT", "PAYLOAD", "SLOTS",
            "NOBODY", "MAX_CODE", "MIN_CODE", "identity", "checked_op_name", "code_of_op",
            "refuse_op", "dtype_code", "covered", "digest", "carried_op", "order_keys",
-           "from_order_keys", "float_keys", "float_values", "encode", "describe", "decode"]
+           "from_order_keys", "float_keys", "float_values", "ROWS_KEPT", "encode", "describe",
+           "decode"]
 
 END, ALLREDUCE, ALLGATHER, BCAST, REFUSED = 1, 2, 3, 4, 5
 CARRIED_ALLREDUCE, CARRIED_BCAST = 6, 7  # the data travelled in the announcement
@@ -174,29 +175,29 @@ def float_values(keys: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return (keys ^ ((keys >> shift) & limits.max)).view(dtype)
 
 
-_ROWS: dict[tuple, tuple[np.ndarray, bytes, tuple]] = {}  # (fields, rank): the row (payload
-# NOBODY), its checked words as bytes and as a tuple
-_ROWS_KEPT = 256  # rows kept; a loop repeats a few signatures
+ROWS_KEPT = 256
+"""Announcement rows an announcer keeps made (:func:`encode`'s `rows`); a loop repeats a few."""
 _CHECKED = FIELDS + 2  # the words that must come back unchanged when every rank agrees
 
 
 def encode(announcement: np.ndarray, fields: tuple, rank: int,
-           payload: np.ndarray | None = None) -> tuple:
+           payload: np.ndarray | None = None, rows: dict | None = None) -> tuple:
     """Write this active rank's announcement of the operation `fields` (kind, op, dtype code,
     root, count, row digest) into `announcement` (:data:`SLOTS` int64), with `payload`, if
     any, at the start of the payload words (the others :data:`NOBODY`).
 
     Returns what :func:`decode` checks quickly: the checked words as bytes and as a tuple;
-    they are made once per signature."""
+    kept in the announcer's `rows` (a dict), they are made once per signature."""
     key = (fields, rank)
-    made = _ROWS.get(key)
+    rows = {} if rows is None else rows
+    made = rows.get(key)
     if made is None:
         signature = digest(covered(fields))
         row = np.full(SLOTS, NOBODY, np.int64)
         row[:PAYLOAD_AT] = fields + (signature, -signature, int(rank == fields[3]), rank)
-        if len(_ROWS) >= _ROWS_KEPT:
-            _ROWS.clear()
-        made = _ROWS[key] = (row, row[:_CHECKED].tobytes(), tuple(row[:_CHECKED].tolist()))
+        if len(rows) >= ROWS_KEPT:
+            rows.clear()
+        made = rows[key] = (row, row[:_CHECKED].tobytes(), tuple(row[:_CHECKED].tolist()))
     np.copyto(announcement, made[0])
     if payload is not None:
         announcement[PAYLOAD_AT:PAYLOAD_AT + payload.size] = payload

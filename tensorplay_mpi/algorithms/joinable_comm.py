@@ -108,6 +108,7 @@ class JoinableComm(GuardedJoinable):
     def __init__(self, comm: MPI.Intracomm | None = None, timeout: float | None = None) -> None:
         super().__init__(comm, timeout)  # device: of the last array seen (joined ranks: host)
         self._announcement = np.empty(wire.SLOTS, np.int64)
+        self._rows: dict = {}  # this rank's announcement rows, by signature (wire.encode)
         self._row_header = np.empty(2, np.int64)  # [row count, row digest] of an allgather
         self._row_headers = np.empty((self.size, 2), np.int64)
         self._owner: Join | None = None  # the enabled Join of the current iteration
@@ -127,6 +128,7 @@ class JoinableComm(GuardedJoinable):
         self._row_headers = np.empty((self.size, 2), np.int64)
         self._owner, self._others, self._announcing, self._works = None, [], None, []
         self._active, self._highest = self.size, (None, 0, -1)
+        self._rows = {}
         self._persistent = self._persistent_everywhere()
 
     @property
@@ -270,7 +272,8 @@ class JoinableComm(GuardedJoinable):
         """
         writes = payload is not None and (writer == -1 or writer == self.rank)
         fields = (kind, op, code, root, count, rows)
-        sent = wire.encode(self._announcement, fields, self.rank, payload if writes else None)
+        sent = wire.encode(self._announcement, fields, self.rank, payload if writes else None,
+                           self._rows)
         try:
             values = self._exchange_announcement(sent)
         except CollectiveMismatchError as error:
