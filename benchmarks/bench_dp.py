@@ -31,7 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join
-from tensorplay_mpi.parallel import data_parallel
+from tensorplay_mpi.parallel import reducer
 from tensorplay_mpi.settings import settings
 
 TARGETS = {"join": 1.02, "reduce": 1.10, "reduce_vs_manual": 1.10, "overlap": 0.9,
@@ -86,7 +86,7 @@ def bench_size(comm: MPI.Intracomm, total: int, steps: int, repeats: int,
     scratch = np.ones(1 << 15, np.float32)
 
     def refill(model: DataParallel) -> None:
-        for bucket in model._buckets:
+        for bucket in model._reducer._buckets:
             bucket.flat.fill(1.0)  # keeps values normal (repeated averaging would denormalise)
         flat.fill(1.0)
 
@@ -146,7 +146,7 @@ def debug_mode(on: bool, fn) -> None:
 
 def shadow_ratio(comm, dp: DataParallel, steps: int, repeats: int, reduce_only, refill) -> dict:
     """Rank 0 joins at once; it times its main hooks, the others their steps."""
-    hook_class = data_parallel._DataParallelHook
+    hook_class = reducer._ShadowHook
     original, spent = hook_class.main_hook, []
 
     def timed_main_hook(self):

@@ -40,7 +40,7 @@ from mpi4py import MPI
 from tensorplay_mpi import DataParallel, Join, JoinableComm
 from tensorplay_mpi.algorithms import announcements, join, joinable_comm
 from tensorplay_mpi.comm import collectives, persistent, work
-from tensorplay_mpi.parallel import data_parallel
+from tensorplay_mpi.parallel import data_parallel, reducer
 
 PIECES = 8
 
@@ -51,14 +51,14 @@ PARTS = [
     (join.Join, "_finish_iterations", "heartbeat: end_iteration of each joinable"),
     (join.Join, "_heartbeat", "heartbeat: bookkeeping, request bits"),
     (join, "iallreduce", "heartbeat: iallreduce (library start path)"),
-    (data_parallel, "iallreduce", "buckets: iallreduce (library start path)"),
-    (data_parallel.DataParallel, "_start_bucket", "buckets: flags, start"),
-    (data_parallel.DataParallel, "_resolve", "resolve: who is active"),
+    (reducer, "iallreduce", "buckets: iallreduce (library start path)"),
+    (reducer.Reducer, "_start_bucket", "buckets: flags, start"),
+    (reducer.Reducer, "_resolve", "resolve: who is active"),
     (work.Work, "wait_or_abort", "waits (MPI progress and completion)"),
     (work.Work, "result", "results (heartbeat count)"),
-    (data_parallel.DataParallel, "_finish_buckets", "buckets: loop, division, used flags"),
-    (data_parallel.DataParallel, "_broadcast_buffers", "step end: buffers"),
-    (data_parallel.DataParallel, "_after_step", "step end: publish, update"),
+    (reducer.Reducer, "_finish_buckets", "buckets: loop, division, used flags"),
+    (reducer.Reducer, "_broadcast_buffers", "step end: buffers"),
+    (reducer.Reducer, "_after_step", "step end: publish, update"),
     (data_parallel._MustEnter, "__exit__", "step exit (context manager)"),
 ]
 JC_PARTS = [
@@ -142,7 +142,7 @@ def profile(comm: MPI.Intracomm, dp: DataParallel, use_join: bool, steps: int,
     per_step: list[dict[str, float]] = []
     with Join([dp]) if use_join else contextlib.nullcontext():
         for k in range(steps + 3):
-            for bucket in dp._buckets:
+            for bucket in dp._reducer._buckets:
                 bucket.flat.fill(1.0)
             timers.reset()
             start = time.perf_counter_ns()

@@ -23,6 +23,9 @@ CUDA tensor has been given to the library:
   optimizer step, a load), torch's current stream is made to wait for CuPy's
   (:func:`hand_back`).
 
+A call that does both, its kernels between torch's, runs them inside ``with handed():``, which
+takes on entry and hands back on exit, an exception included.
+
 Both are events, without a host wait, and nothing when the two are the same stream.
 
 torch and CuPy are looked up in ``sys.modules`` (a program holding a torch CUDA tensor has
@@ -38,7 +41,7 @@ import sys
 from typing import Any
 
 __all__ = ["is_cuda_tensor", "device_view", "tensor_view", "synchronize", "take", "hand_back",
-           "in_use"]
+           "handed", "in_use"]
 
 MISSING_CUPY = ("tensorplay_mpi carries torch CUDA tensors through CuPy (zero-copy DLPack "
                 "views): install the CuPy wheel of your CUDA version (pip install "
@@ -102,6 +105,27 @@ def hand_back() -> None:
     kernels see what the library's kernels and copies wrote."""
     for device in _devices:
         _order(device, torch_first=False)
+
+
+class _Handed:
+    """:func:`take` on entry, :func:`hand_back` on exit (a class: no generator per use)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        take()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        hand_back()
+
+
+_HANDED = _Handed()
+
+
+def handed() -> _Handed:
+    """The library's kernels between torch's: ``with handed():`` takes (:func:`take`) on
+    entry and hands back (:func:`hand_back`) on exit, an exception included."""
+    return _HANDED
 
 
 # -- what touches CUDA (the CPU tests replace these) ---------------------------------------------

@@ -123,17 +123,17 @@ class Optimizer(LinkedOptimizer, OptimizerState):
         """
         if used is None:
             used = self._used()
-        torch_cuda.take()  # torch CUDA tensors: the kernels after torch's writes (a clip, say)
-        hyper = self._hyper(self.steps + 1)
-        self.steps += 1
-        if hyper.get("max_grad_norm") is not None:
-            clip_grad_norm(self.grads, hyper["max_grad_norm"])
-        every = used is None or used.all()
-        for i, g in enumerate(self.grads):
-            if every or used[i]:
-                self.param_steps[i] += 1
-                self._update(i, g.reshape(-1), hyper)
-        torch_cuda.hand_back()  # torch CUDA parameters: torch's stream after the kernels
+        # torch CUDA tensors: the kernels after torch's writes (a clip, say), torch's after ours
+        with torch_cuda.handed():
+            hyper = self._hyper(self.steps + 1)
+            self.steps += 1
+            if hyper.get("max_grad_norm") is not None:
+                clip_grad_norm(self.grads, hyper["max_grad_norm"])
+            every = used is None or used.all()
+            for i, g in enumerate(self.grads):
+                if every or used[i]:
+                    self.param_steps[i] += 1
+                    self._update(i, g.reshape(-1), hyper)
 
     def _hyper(self, step: int) -> dict[str, Any]:
         """The hyperparameters of step number `step`, callables evaluated, validated."""

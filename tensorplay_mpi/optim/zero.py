@@ -170,11 +170,16 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
         return packs, direct
 
     def _step_shard_and_sync(self) -> None:
-        torch_cuda.take()  # torch CUDA tensors: the clip and the update after torch's writes
-        if self.max_grad_norm is not None:
-            clip_grad_norm(self.grads, self.max_grad_norm)
-        used = self._used()
-        self.local.update(None if used is None else used[self._shard_index])
+        # torch CUDA tensors: the clip and the update after torch's writes, torch's after ours
+        with torch_cuda.handed():
+            if self.max_grad_norm is not None:
+                clip_grad_norm(self.grads, self.max_grad_norm)
+            used = self._used()
+            self.local.update(None if used is None else used[self._shard_index])
+            self._sync_parameters()
+
+    def _sync_parameters(self) -> None:
+        """Every parameter from the rank that owns it (its shard's update)."""
         works = []
         for owner, flat, views in self._packs:
             if owner == self.rank:
@@ -189,7 +194,6 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
             if owner != self.rank:
                 for packed, param in views:
                     param[...] = packed
-        torch_cuda.hand_back()  # torch CUDA parameters: torch's stream after the copies
 
     @property
     def state_nbytes(self) -> int:

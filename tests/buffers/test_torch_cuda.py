@@ -68,3 +68,27 @@ def test_a_cuda_tensor_of_a_dtype_without_a_view_is_a_type_error(standin):
 def test_a_tensor_on_another_device_kind_is_refused():
     with pytest.raises(TypeError, match="on the CPU and on CUDA devices"):
         as_array(torch.zeros(2, device="meta"))
+
+
+def test_handed_hands_torch_its_stream_back_when_the_block_raises(standin):
+    as_array(fake_cuda(torch.zeros(2, dtype=torch.float64)))  # torch CUDA in use
+    TorchCounters.reset()
+    with pytest.raises(ZeroDivisionError, match="a bug between the two"):
+        with torch_cuda.handed():
+            raise ZeroDivisionError("a bug between the two")
+    assert (TorchCounters.takes, TorchCounters.hand_backs) == (1, 1)
+
+
+def test_an_optimizer_step_that_raises_still_hands_torch_its_stream_back(standin):
+    """An update that fails after its take (a schedule's bug) leaves torch's stream ordered
+    after the library's kernels, as a completed one does."""
+    from tensorplay_mpi.optim import SGD
+
+    param = fake_cuda(torch.zeros(3, dtype=torch.float64))
+    opt = SGD([param], [fake_cuda(torch.ones(3, dtype=torch.float64))],
+              lr=lambda step: 0.1 if step == 1 else 1 / 0)
+    opt.step()
+    TorchCounters.reset()
+    with pytest.raises(ZeroDivisionError):
+        opt.step()
+    assert TorchCounters.takes >= 1 and TorchCounters.hand_backs == TorchCounters.takes
