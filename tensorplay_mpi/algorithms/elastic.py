@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import pickle
 import types
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -39,7 +40,8 @@ from mpi4py import MPI
 
 from ..comm import torch_cuda
 from ..comm.buffers import copy_into
-from ..comm.collectives import iallreduce, ibcast
+from ..comm.agreement import agree as agree_on
+from ..comm.collectives import iallgather, iallreduce, ibcast
 from ..comm.fault_tolerance import fault_tolerance, is_process_failure
 from ..comm.guard import Guard
 from ..comm.shrink import agree, shrink
@@ -82,7 +84,7 @@ def update_owner(update: Callable[[], Any]) -> Any:
         method of an object whose state cannot go on without a lost rank (a
         ZeroRedundancyOptimizer).
     """
-    owner = getattr(update, "__self__", None)
+    owner = getattr(update, "__self__", None) or _scheduler_wrapped(update)
     name = getattr(update, "__qualname__", type(update).__name__)
     if owner is None or isinstance(owner, types.ModuleType) or not all(
             callable(getattr(owner, method, None)) for method in _STATE_METHODS):
@@ -101,6 +103,18 @@ def update_owner(update: Callable[[], Any]) -> Any:
             "cannot go on without a lost rank (its shards would be lost with it); leave "
             "elastic off and resume from periodic saves instead")
     return owner
+
+
+def _scheduler_wrapped(update: Callable[[], Any]) -> Any:
+    """The torch optimizer whose ``step`` an LR scheduler replaced with a wrapper (``opt.step``
+    is then a function holding a weak reference to the optimizer), else ``None``."""
+    if not getattr(update, "_wrapped_by_lr_sched", False):
+        return None
+    for cell in getattr(update, "__closure__", None) or ():
+        contents = cell.cell_contents
+        if isinstance(contents, weakref.ref):
+            return contents()
+    return None
 
 
 def companions(joinables: Sequence[Any]) -> list[Any]:
@@ -267,21 +281,40 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
             copy_into(array, value)
     for joinable in joinables:
         joinable._elastic_restore()
+    failure = None
     if comm.Get_rank() != root:
-        for owner, state_dict in zip(owners, state_dicts):
-            owner.load_state_dict(state_dict)
+        try:
+            for owner, state_dict in zip(owners, state_dicts):
+                owner.load_state_dict(state_dict)
+        except Exception as error:  # every survivor learns it: replicas would differ
+            failure = error
+    if owners:
+        agree_on(lambda row, every: iallgather(comm, row, every, "elastic settle: loads"),
+                 comm.Get_rank(), comm.Get_size(), "the elastic settle's load_state_dict() of "
+                 "update='s owner", timeout, failure)
     return step, root
 
 
 def _broadcast_state_dicts(comm: MPI.Intracomm, owners: Sequence[Any], root: int,
                            timeout: float) -> list[Any]:
     """The ``state_dict()`` of each of `owners` on `root`, on every rank (pickled: its length,
-    then its bytes, two ``Ibcast``).  Every rank pickles its own first: a state that does not
-    pickle raises on every rank alike, before any collective."""
+    then its bytes, two ``Ibcast``).  A state that `root` cannot pickle travels as the length
+    -1: every rank raises (`root` its own error, the others ``RuntimeError`` naming it)."""
     mine = comm.Get_rank() == root
-    payload = bytearray(pickle.dumps([o.state_dict() for o in owners]))
-    length = np.array([len(payload)], np.int64)
+    payload, failure = bytearray(), None
+    if mine:
+        try:
+            payload = bytearray(pickle.dumps([o.state_dict() for o in owners]))
+        except Exception as error:
+            failure = error
+    length = np.array([-1 if failure is not None else len(payload)], np.int64)
     ibcast(comm, length, root, "elastic settle: state dicts' size").wait_or_abort(timeout)
+    if failure is not None:
+        raise failure
+    if length[0] < 0:
+        raise RuntimeError(f"rank {comm.Get_rank()}: the elastic settle could not send the "
+                           f"state_dict() of update='s owner: it failed on rank {root}, the "
+                           "survivor whose state every survivor adopts")
     data = np.frombuffer(payload, np.uint8) if mine else np.empty(int(length[0]), np.uint8)
     ibcast(comm, data, root, "elastic settle: state dicts").wait_or_abort(timeout)
     return [] if mine else pickle.loads(data.tobytes())

@@ -1,6 +1,8 @@
 """Join(elastic=True) where no rank is lost (any MPI): refusals, the protocol unchanged, the
 settle of an interrupted step.  Losses themselves need ULFM: ``make test-elastic``."""
 
+import pickle
+
 import numpy as np
 import pytest
 from toys import AllReducer
@@ -223,3 +225,54 @@ def test_a_redone_step_starts_from_the_buffers_of_the_last_completed_step(comm):
     ok = int(after[-1]) == 2 and all(bool((a == b).all()) for a, b in zip(after, before))
     assert_all(ok, f"rank {comm.rank}: buffers {after} after the settle, {before} before the "
                    "interrupted forward pass")
+
+
+def test_update_is_a_torch_optimizers_step_that_a_scheduler_wrapped(comm):
+    """Making an LR scheduler replaces ``opt.step`` with a function (torch's wrapper, holding a
+    weak reference to the optimizer): it is still the optimizer's step, settled with it."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(2, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    owner = elastic.update_owner(opt.step)
+    dp = DataParallel(model.parameters(), comm=comm, update=opt.step)
+    with Join([dp], elastic=True):
+        pass
+    assert_all(owner is opt, f"the owner of the wrapped step is {owner!r}")
+
+
+class Owner:
+    """update='s owner whose state_dict() (on rank `bad_save`) or load_state_dict() (on rank
+    `bad_load`) fails, as a user's object may on one survivor only."""
+
+    def __init__(self, rank, bad_save=-1, bad_load=-1):
+        self.rank, self.bad_save, self.bad_load, self.count = rank, bad_save, bad_load, 0
+
+    def step(self):
+        self.count += 1
+
+    def state_dict(self):
+        return {"count": self.count, "f": (lambda: 0) if self.rank == self.bad_save else 0}
+
+    def load_state_dict(self, state):
+        if self.rank == self.bad_load:
+            raise ValueError("this owner's state does not load here")
+        self.count = state["count"]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("failing", ["state_dict", "load_state_dict"])
+def test_an_owner_state_that_fails_on_one_survivor_raises_on_every_survivor(comm, failing):
+    """The adopted survivor (rank 1) cannot pickle its owner's state, or another survivor
+    (rank 0) cannot load it: every survivor raises at once (no survivor waits for a broadcast
+    that never comes, none goes on with replicas that differ)."""
+    bad = {"bad_save": 1} if failing == "state_dict" else {"bad_load": 0}
+    owner = Owner(comm.rank, **bad)
+    dp = DataParallel([np.zeros(3)], comm=comm, update=owner.step)
+    ahead = comm.rank == 1
+    if failing == "state_dict":
+        expected = (AttributeError, TypeError, pickle.PicklingError) if ahead else RuntimeError
+    else:
+        expected = ValueError
+    with raises_everywhere(expected):
+        elastic.settle(comm, [dp, Applied(1 + int(ahead))], 60.0)
