@@ -34,8 +34,8 @@ from typing import Any, Mapping
 import numpy as np
 from mpi4py import MPI
 
+from ..algorithms.join import Join
 from ..algorithms.joinable_comm import JoinableComm
-from ..algorithms.requests import running_join
 from ..comm.agreement import layout_digest, same_everywhere
 from ..comm.collectives import (check_comm, default_comm, default_timeout, iallgather, iallgatherv,
                                 iallreduce)
@@ -132,25 +132,24 @@ def sync_options(group: Any = None) -> dict[str, Any]:
             "process_group": handle}
 
 
-def shares_ranks(group: MPI.Intracomm, comm: MPI.Intracomm) -> bool:
-    """Whether a process other than this one is in both communicators (local: their groups
-    compared): a collective over `group` then waits for a rank that may have joined `comm`'s
-    Join (a one-process communicator, ``MPI.COMM_SELF``, never does)."""
+def overlap(group: MPI.Intracomm, comm: MPI.Intracomm) -> int:
+    """How many processes are in both communicators (local: their groups compared)."""
     mine, theirs = group.Get_group(), comm.Get_group()
     try:
         found = MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), theirs)
     finally:
         mine.Free()
         theirs.Free()
-    return sum(rank != MPI.UNDEFINED for rank in found) > 1
+    return sum(rank != MPI.UNDEFINED for rank in found)
 
 
 def _refuse_inside_join(comm: MPI.Intracomm, what: str) -> None:
     """Raise RuntimeError, before any collective, when `what` runs over the plain `comm`
     inside a running Join over any of its ranks: a rank that has joined would not shadow it
     (on the Join's communicator its polls would match the collective and decode garbage)."""
-    join = running_join()
-    if join is not None and shares_ranks(comm, join.joinables[0].join_process_group):
+    join = Join.current()
+    # another of the Join's processes in `comm` may have joined (MPI.COMM_SELF: none can)
+    if join is not None and overlap(comm, join.joinables[0].join_process_group) > 1:
         raise RuntimeError(
             f"{what} over a plain communicator inside a running Join, where ranks that have "
             f"joined cannot shadow it: pass the Join's JoinableComm instead (a torchmetrics "
