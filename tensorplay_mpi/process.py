@@ -52,7 +52,7 @@ import os
 import sys
 import time
 from types import TracebackType
-from typing import Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from mpi4py import MPI
 
@@ -68,7 +68,7 @@ __all__ = ["set_up", "launch_problem", "check_launch", "install_excepthook", "St
 
 _LAUNCH_VARIABLES = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 _REPORT_GRACE_S = 0.5  # the launcher forwards the traceback before the abort kills the job
-_previous_hook: object = None  # sys.excepthook before ours, while ours is installed
+_previous_hook: Callable[..., Any] | None = None  # sys.excepthook before ours, while ours is on
 
 
 def set_up(comm: MPI.Intracomm | None = None) -> None:
@@ -141,7 +141,7 @@ def install_excepthook() -> None:
 def _uninstall_excepthook() -> None:
     global _previous_hook
     if _previous_hook is not None and sys.excepthook is _abort_on_uncaught:
-        sys.excepthook = _previous_hook  # type: ignore[assignment]
+        sys.excepthook = _previous_hook
     _previous_hook = None
 
 
@@ -210,7 +210,7 @@ STATE: tuple[State, ...] = (
           "tensorplay_mpi.comm.persistent:supported.cache_clear"),
     State("the live persistent collectives (weak)", "comm/persistent.py", "",
           "weak: their requests are freed with them, or at exit"),
-    State("the entered Joins, and those whose on_save runs", "algorithms/requests.py", "",
+    State("the entered Joins, and those whose on_save runs", "algorithms/join.py", "",
           "empty after every Join"),
     State("the guard attribute's key (the guards live on their communicators)", "comm/guard.py", "",
           "freed with each communicator"),
@@ -252,10 +252,10 @@ def reset_state(scopes: str | Iterable[str] = ("settings", "requests", "process"
     for state in STATE:
         if state.reset and state.scope in scopes:
             module, _, path = state.reset.partition(":")
-            target: object = importlib.import_module(module)
+            target: Any = importlib.import_module(module)
             for name in path.split("."):
                 target = getattr(target, name)
-            target()  # type: ignore[operator]
+            target()
 
 
 def _at_exit() -> None:

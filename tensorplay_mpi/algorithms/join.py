@@ -6,7 +6,7 @@ all nonblocking; the documentation's "Wire protocol" page has every joinable's s
 - active rank, each iteration: every joinable's :meth:`Joinable.end_iteration` (list order),
   then ``Iallreduce([1], SUM)`` (the heartbeat), then the iteration's collectives, joinable by
   joinable in list order.  The heartbeat's higher bits carry stop and save requests
-  (:mod:`tensorplay_mpi.algorithms.requests`, which owns them and ``on_save``);
+  (:mod:`tensorplay_mpi.algorithms.requests` reads them; the Join runs ``on_save``);
 - on leaving the block: every ``end_iteration`` once more, then the joined loop.  Joined rank,
   each round: ``Iallreduce([0], SUM)`` (plus the request bits) + wait gives the
   number of active ranks ``n`` (the low field); ``n == 0`` ends the loop, else every main hook
@@ -15,10 +15,11 @@ all nonblocking; the documentation's "Wire protocol" page has every joinable's s
   at one boundary: an active rank before its next heartbeat (after ``end_iteration``) or, when
   it leaves the block, before its first poll; a joined rank after that round's main hooks (after
   the post hooks when the poll said ``n == 0``); never once the Join has stopped;
-- with a stream (a joinable with ``_orders_blocks``, the JoinableComm), while ranks have joined:
-  the joinables that announce their blocks (``_announces_blocks``) announce each one through it
-  (:meth:`Join.announce`), and a joined rank runs their hooks where the stream names them, in
-  the order the active ranks issued them, instead of in list order;
+- with a stream (:mod:`tensorplay_mpi.algorithms.stream`: a joinable with ``_orders_blocks``,
+  the JoinableComm), while ranks have joined: the joinables that announce their blocks
+  (``_announces_blocks``) announce each one through it (:meth:`Join.announce`), and a joined
+  rank runs their hooks where the stream names them, in the order the active ranks issued
+  them, instead of in list order;
 - throw mode adds one pair per iteration: active ``Iallreduce([0])`` + wait (raise if > 0),
   joined ``Iallreduce([1])`` + wait, then raise
   :class:`~tensorplay_mpi.errors.EarlyTerminationError`.
@@ -46,11 +47,15 @@ from ..replicas import check_replicas
 from ..settings import settings
 from .elastic import check_elastic, progress, recover
 from .requests import Requests
+from .stream import BlockOrderer, BlockStream
 
 __all__ = ["Join", "Joinable", "JoinHook"]
 
 SKEW_WARN_ROUNDS = 1000
 """A joined rank that shadows more rounds than this warns once about the input skew."""
+
+_running: list["Join"] = []  # the entered, enabled Joins of this process, innermost last
+_saving: list["Join"] = []  # the Joins whose on_save runs now
 
 class JoinHook:
     """What a joinable does on a rank that has run out of inputs.
@@ -345,17 +350,20 @@ class Join:
         self._throw_on_early_termination = bool(throw_on_early_termination)
         self._timeout = resolve_timeout(timeout)
         self._join_hooks = [joinable.join_hook(**kwargs) for joinable in self._joinables]
-        orderers = [j for j in self._joinables if j._orders_blocks]
-        self._stream: Joinable | None = orderers[0] if orderers else None
-        self._index = {id(joinable): i for i, joinable in enumerate(self._joinables)}
+        orderers = [j for j in self._joinables
+                    if j._orders_blocks and isinstance(j, BlockOrderer)]
+        self._stream = BlockStream(orderers[0], self._joinables, self._join_hooks,
+                                   self._rank) if orderers else None
         self._round_hooks = [  # a joined rank's round, in list order; announced blocks aside
             hook for joinable, hook in zip(self._joinables, self._join_hooks)
-            if self._stream is None or not joinable._announces_blocks]
+            if self._stream is None or not self._stream.follows(joinable)]
         self._heartbeats: list[Work] = []  # started heartbeats, owned until they complete
         self._count = np.zeros(1, dtype=np.int64)  # the one buffer of every poll/throw pair
         self._guard: Guard | None = None
         self._iterations = 0  # heartbeats sent
-        self._requests = Requests(on_save, self._deferring)
+        self._requests = Requests(self._deferring)
+        self._on_save = on_save
+        self._saves = 0  # times on_save ran
         self._rounds = 0  # rounds shadowed once joined
         self._entered = False
         self._joining = False
@@ -409,8 +417,23 @@ class Join:
         if self._elastic:
             self._entered_progress = progress(self._joinables) or 0  # not None: checked
         if self._enable:
-            Requests.entered(self)
+            _running.append(self)
         return self
+
+    @staticmethod
+    def current() -> "Join | None":
+        """The innermost entered, enabled Join of this process, unless its ``on_save`` runs
+        now (every rank is then at one point of it), else ``None``: where a collective of the
+        caller's (a checkpoint, a plain SyncBatchNorm) would cross-match a joined rank's
+        polls."""
+        if _running and _running[-1] not in _saving:
+            return _running[-1]
+        return None
+
+    @property
+    def saving(self) -> bool:
+        """Whether this Join's ``on_save`` runs now on this rank."""
+        return self in _saving
 
     # -- the public view joinables read -----------------------------------------------------
 
@@ -436,9 +459,10 @@ class Join:
         return self._joining
 
     @property
-    def stream(self) -> Joinable | None:
-        """The joinable whose announcements order the iteration's collectives while ranks have
-        joined (the Join's :class:`~tensorplay_mpi.JoinableComm`), else ``None``."""
+    def stream(self) -> BlockStream | None:
+        """The ordered stream of the iteration's blocks while ranks have joined, carried by the
+        announcements of the Join's :class:`~tensorplay_mpi.JoinableComm`
+        (:attr:`BlockStream.orderer`), else ``None``."""
         return self._stream
 
     def announce(self, joinable: Joinable) -> None:
@@ -452,7 +476,7 @@ class Join:
         Collective over the stream's communicator while ranks have joined.
         """
         if self._stream is not None and self._enable and not self._joining:
-            self._stream.announce_block(self._index[id(joinable)])  # type: ignore[attr-defined]
+            self._stream.announce(joinable)
 
     @contextlib.contextmanager
     def everywhere(self) -> Iterator[None]:
@@ -469,14 +493,6 @@ class Join:
     def runs_everywhere(self) -> bool:
         """Whether code inside :meth:`everywhere` runs now on this rank."""
         return self._everywhere_depth > 0
-
-    def _shadow_block(self, index: int) -> None:
-        """A joined rank's side of an announced block: the main hook of joinable `index`."""
-        if not 0 <= index < len(self._joinables) or self._joinables[index] is self._stream \
-                or not self._joinables[index]._announces_blocks:
-            raise RuntimeError(f"rank {self._rank}: an announced block names joinable {index}, "
-                               "which announces none in this Join")
-        self._join_hooks[index].main_hook()
 
     def active_ranks(self) -> int:
         """Ranks active in the current iteration: the latest heartbeat's count.
@@ -541,7 +557,7 @@ class Join:
     @property
     def saves(self) -> int:
         """How many times this Join ran ``on_save`` on this rank (the same on every rank)."""
-        return self._requests.saves
+        return self._saves
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
@@ -553,14 +569,15 @@ class Join:
                 try:
                     self._finish_iterations()
                     self._wait_heartbeats()
-                    self._requests.run_due_save(self)
+                    self._run_due_save()
                     self._join_loop()
                 except BaseException as error:
                     self._settle(error)
                     raise
                 self._agree_on_the_end()
         finally:
-            Requests.exited(self)
+            if self in _running:
+                _running.remove(self)
             for joinable in self._joinables:
                 joinable._set_join_context(None)
             if self._guard is not None:
@@ -580,7 +597,7 @@ class Join:
         read for :attr:`stopped` or :attr:`saves`) keeps none of them alive, so a DataParallel
         deleted after the block can be replaced (after unfreezing parameters, say)."""
         self._joinables, self._join_hooks, self._round_hooks = [], [], []
-        self._stream, self._index = None, {}
+        self._stream = None
 
     def _settle(self, error: BaseException) -> None:
         """The failure path: agree with every rank; when every rank failed on its own, complete
@@ -642,9 +659,9 @@ class Join:
 
     def _heartbeat(self) -> Work:
         self._finish_iterations()
-        if self._requests.has_on_save and self._heartbeats:
+        if self._on_save is not None and self._heartbeats:
             self._heartbeats[-1].wait_or_abort(self._timeout)  # did it carry a save request?
-            self._requests.run_due_save(self)
+            self._run_due_save()
         self._heartbeats = [w for w in self._heartbeats if not w.is_completed()]
         self._iterations += 1
         count = self._requests.heartbeat().copy()  # in place, as every library allreduce
@@ -657,6 +674,22 @@ class Join:
                 "Detected at least one rank that exhausted inputs. Throwing across all ranks."
             )
         return work
+
+    def _run_due_save(self) -> None:
+        """Run ``on_save`` inside :meth:`everywhere` if the requests say a save is due now."""
+        if self._on_save is None or not self._requests.save_now:
+            return
+        reason = self._requests.start_save()
+        _saving.append(self)
+        try:
+            with self.everywhere():
+                self._on_save()
+        except BaseException:
+            self._requests.unserved(reason)
+            raise
+        finally:
+            _saving.remove(self)
+        self._saves += 1
 
     def _finish_iterations(self) -> None:
         for joinable in self._joinables:
@@ -699,8 +732,8 @@ class Join:
                 hook.main_hook()
             rounds += 1
             self._rounds = rounds
-            self._requests.run_due_save(self)
+            self._run_due_save()
             is_last_joiner = False
         for hook in self._join_hooks:
             hook.post_hook(is_last_joiner)
-        self._requests.run_due_save(self)
+        self._run_due_save()

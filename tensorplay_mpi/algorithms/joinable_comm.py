@@ -52,6 +52,7 @@ from ..threads import oversubscribed
 from . import announcements as wire
 from .guarded_joinable import GuardedJoinable
 from .join import Join, JoinHook
+from .stream import BlockStream
 
 __all__ = ["JoinableComm"]
 
@@ -610,7 +611,7 @@ class _FollowAnnouncements(JoinHook):
             if kind == wire.END:
                 return
             if kind == wire.BLOCK:  # DataParallel's step, an optimizer's: its hook, here
-                jc.join_context._shadow_block(count)  # type: ignore[union-attr]
+                BlockStream.of(jc.join_context).shadow(count)
                 continue
             if kind == wire.CARRIED_ALLREDUCE:
                 continue

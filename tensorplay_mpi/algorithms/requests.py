@@ -1,16 +1,13 @@
-"""Stop and save requests inside a Join: the one owner of what a heartbeat asks for and of when
-``on_save`` runs.
+"""Stop and save requests inside a Join: plain state, bits in and decisions out.
 
 A rank's requests are flags (:mod:`tensorplay_mpi.stopping`: a signal or a call sets them).  A
 Join holds one :class:`Requests`, which puts them into the bits of its heartbeats and polls,
-reads what every rank asked from their sums, runs ``on_save`` where every rank is at one
-iteration, and withdraws every rank's save request there, in one place: as the save starts (it
-serves every request made before it).  A request that no ``on_save`` served (a Join without
-one, or one that stopped first, where ``join.save_due`` tells the caller) stays pending for the
-next Join's ``on_save``, or until :func:`~tensorplay_mpi.stopping.clear_save`.  The
-registry of entered Joins lives here too: :func:`running_join` and :func:`saving_join` tell
-the layers above (checkpoint, SyncBatchNorm) where a collective of theirs would cross-match a
-joined rank's polls.
+reads what every rank asked from their sums, and tells the Join when a save is due; the Join
+runs ``on_save`` itself.  Every rank's save request is withdrawn in one place, as the save
+starts (:meth:`Requests.start_save`: it serves every request made before it).  A request
+that no ``on_save`` served (a Join without one, or one that stopped first, where
+``join.save_due`` tells the caller) stays pending for the next Join's ``on_save``, or until
+:func:`~tensorplay_mpi.stopping.clear_save`.
 
 A heartbeat or poll is one int64: bits 0-23 count the active ranks, bits 24-43 the ranks that
 ask to stop, bits 44-62 those that ask for a save; so a rank with a pending stop request sends
@@ -19,16 +16,13 @@ ask to stop, bits 44-62 those that ask for a save; so a rank with a pending stop
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from ..stopping import clear_save, request_save, save_requested, stop_requested
 
-if TYPE_CHECKING:
-    from .join import Join
-
-__all__ = ["Requests", "running_join", "saving_join", "STOP", "SAVE"]
+__all__ = ["Requests", "STOP", "SAVE"]
 
 _ACTIVE_BITS, _STOP_BITS = 24, 20  # the fields: active count, stops, saves
 STOP = 1 << _ACTIVE_BITS
@@ -47,49 +41,21 @@ def _constant(value: int) -> np.ndarray:
 _HEARTBEAT = {(stop, save): _constant(1 + stop * STOP + save * SAVE)
               for stop in (False, True) for save in (False, True)}
 
-_running: list["Join"] = []  # the entered, enabled Joins of this process, innermost last
-_saving: list["Join"] = []  # the Joins whose on_save runs now
-
-
-def running_join() -> "Join | None":
-    """The innermost entered, enabled Join of this process, unless its ``on_save`` runs now
-    (every rank is then at one point of it), else ``None``: where a collective of the caller's
-    would cross-match a joined rank's polls."""
-    if _running and _running[-1] not in _saving:
-        return _running[-1]
-    return None
-
-
-def saving_join() -> "Join | None":
-    """The Join whose ``on_save`` runs now on this rank (the innermost), else ``None``."""
-    return _saving[-1] if _saving else None
-
-
 class Requests:
     """The stop and save requests of one Join, as its heartbeats and polls carry them.
 
     Parameters
     ----------
-    on_save : callable or None
-        The Join's ``on_save``.
     deferring : callable
         Whether a joinable asks requests to wait now (gradients accumulated under
         ``no_sync()``): a stop or save then lands at the next boundary where none does.
     """
 
-    def __init__(self, on_save: Callable[[], Any] | None, deferring: Callable[[], bool]):
-        self._on_save = on_save
+    def __init__(self, deferring: Callable[[], bool]):
         self._deferring = deferring
         self.stops = 0  # the most ranks any completed heartbeat or poll said asked to stop
         self.asked: str | None = None  # this rank's stop request, once a heartbeat sent it
         self._save_due = False  # a completed heartbeat or poll carried a save request
-        self.saves = 0  # times on_save ran
-
-    @property
-    def has_on_save(self) -> bool:
-        """Whether the Join has an ``on_save`` (an active rank then reads each heartbeat's
-        requests before it sends the next)."""
-        return self._on_save is not None
 
     # -- what this rank sends ---------------------------------------------------------------
 
@@ -137,43 +103,26 @@ class Requests:
 
     # -- the save ---------------------------------------------------------------------------
 
-    def run_due_save(self, join: "Join") -> None:
-        """Run ``on_save`` inside ``join.everywhere()`` if a save is due and the Join has not
-        stopped (a stop's own save follows); every rank decides on the same heartbeats, so at
-        the same boundary."""
-        if self._on_save is None or self.stops > 0 or not self.save_due:
-            return
-        self._save_due = False
-        reason = self._withdraw()
-        _saving.append(join)
-        try:
-            with join.everywhere():
-                self._on_save()
-        except BaseException:
-            if reason is not None and save_requested() is None:
-                request_save(reason)  # not served: pending again, as before this save
-            raise
-        finally:
-            _saving.remove(join)
-        self.saves += 1
+    @property
+    def save_now(self) -> bool:
+        """Whether a Join with ``on_save`` runs it at this boundary: a save is due and no stop
+        was carried (a stop's own save follows); every rank decides on the same heartbeats,
+        so at the same boundary."""
+        return self.stops == 0 and self.save_due
 
-    def _withdraw(self) -> str | None:
-        """The one place a save request is withdrawn: as a save starts, on every rank, for the
-        save serves every request made before it (a request made during ``on_save`` asks for
-        the next one).  Returns the withdrawn request's reason."""
+    def start_save(self) -> str | None:
+        """Note that ``on_save`` starts: the one place a save request is withdrawn, on every
+        rank, for the save serves every request made before it (a request made during
+        ``on_save`` asks for the next one).  Returns the withdrawn request's reason, for
+        :meth:`unserved`."""
+        self._save_due = False
         reason = save_requested()
         clear_save()
         return reason
 
-    # -- the registry -------------------------------------------------------------------------
-
     @staticmethod
-    def entered(join: "Join") -> None:
-        """Note an enabled Join entered (innermost last)."""
-        _running.append(join)
-
-    @staticmethod
-    def exited(join: "Join") -> None:
-        """Note a Join exited (a no-op for one never noted)."""
-        if join in _running:
-            _running.remove(join)
+    def unserved(reason: str | None) -> None:
+        """``on_save`` failed: make this rank's withdrawn request (`reason`, from
+        :meth:`start_save`) pending again, as before the save, unless a newer one is."""
+        if reason is not None and save_requested() is None:
+            request_save(reason)

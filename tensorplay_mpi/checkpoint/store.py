@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..algorithms.requests import running_join
+from ..algorithms.join import Join
 from ..comm import torch_cuda
 from ..comm.agreement import agree
 from ..comm.buffers import is_device_array
@@ -86,7 +86,7 @@ class Resumed(NamedTuple):
 def _refuse_inside_join(what: str) -> None:
     """Raise RuntimeError, before any collective, when called inside a running Join (outside
     its ``on_save``): a joined rank would match this call's collectives with its polls."""
-    join = running_join()
+    join = Join.current()
     if join is None:
         return
     rank = join.joinables[0].join_process_group.Get_rank()

@@ -9,7 +9,6 @@ import pytest
 
 from tensorplay_mpi import (SGD, DataParallel, Join, JoinableComm, checkpoint, clear_save,
                             request_save, request_stop, save_requested)
-from tensorplay_mpi.algorithms.requests import running_join, saving_join
 from tensorplay_mpi.testing import assert_all, raises_everywhere
 
 LR, MOMENTUM = 0.1, 0.5
@@ -132,19 +131,20 @@ def test_a_stop_in_the_same_heartbeat_wins_over_a_save(comm):
 
 
 @pytest.mark.mpi
-def test_running_join_and_saving_join_tell_where_a_save_may_run(comm):
+def test_current_join_and_saving_tell_where_a_save_may_run(comm):
     dp = DataParallel([np.zeros(2)], comm=comm)
     seen = []
-    with Join([dp], on_save=lambda: seen.append((running_join(), saving_join()))) as join:
-        seen.append((running_join(), saving_join()))
+    with Join([dp], on_save=lambda: seen.append((Join.current(), join.saving))) as join:
+        seen.append((Join.current(), join.saving))
         for _ in range(2 + comm.rank):  # rank 0 joins first: its save runs in a shadow round
             request_save("now")
             with dp.step():
                 dp.grads[0][...] = 1.0
-    after = (running_join(), saving_join())
+    after = (Join.current(), join.saving)
     inside, saves = seen[0], seen[1:]
-    assert_all(inside == (join, None) and after == (None, None) and len(saves) == join.saves > 0
-               and all(s == (None, join) for s in saves), f"{seen} {after}")
+    assert_all(inside == (join, False) and after == (None, False)
+               and len(saves) == join.saves > 0
+               and all(s == (None, True) for s in saves), f"{seen} {after}")
 
 
 def shared_checkpoint(comm, directory):
