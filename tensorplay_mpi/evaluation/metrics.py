@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import numpy as np
 from mpi4py import MPI
 
-from ..algorithms.requests import running_join
+from ..algorithms.join import Join
 from ..algorithms.joinable_comm import JoinableComm
 from ..comm.agreement import layout_digest, same_everywhere
 from ..comm.collectives import (check_comm, default_comm, default_timeout, iallgather, iallgatherv,
@@ -147,7 +147,7 @@ def _refuse_inside_join(comm: MPI.Intracomm, what: str) -> None:
     """Raise RuntimeError, before any collective, when `what` runs over the plain `comm`
     inside a running Join over any of its ranks: a rank that has joined would not shadow it
     (on the Join's communicator its polls would match the collective and decode garbage)."""
-    join = running_join()
+    join = Join.current()
     # another of the Join's processes in `comm` may have joined (MPI.COMM_SELF: none can)
     if join is not None and overlap(comm, join.joinables[0].join_process_group) > 1:
         raise RuntimeError(

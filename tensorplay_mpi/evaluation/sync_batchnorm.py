@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..algorithms.requests import running_join
+from ..algorithms.join import Join
 from ..algorithms.joinable_comm import JoinableComm
 from ..comm.tensors import JOIN_CHECK, host_array
 from ..parallel.data_parallel import step_in_progress
@@ -171,7 +171,7 @@ class _JoinCheck:
 def _check_not_in_join(group: MPI.Intracomm) -> None:
     """A layer over a plain communicator, training inside a running Join over any of the same
     ranks: joined ranks would not shadow its reductions; raise before any."""
-    join = running_join()
+    join = Join.current()
     if join is not None and overlap(group, join.joinables[0].join_process_group) > 0:
         raise RuntimeError(f"SyncBatchNorm reduces over a plain communicator inside a running "
                            f"Join, where ranks that have joined cannot shadow it; "
