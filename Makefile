@@ -95,7 +95,7 @@ soak-32: venv  ## exactness at 32 ranks against closed forms
 NOSHM := MPIR_CVAR_NOLOCAL=1 UCX_TLS=tcp,self
 test-noshm: venv  ## the MPI tests at 2-4 ranks with shared memory off (the network path)
 	$(NOSHM) timeout 60 $(MPIEXEC) -n 2 $(PY) tests/programs/transport.py --expect-remote
-	$(NOSHM) $(MAKE) test-mpi RANKS="2 3 4"
+	$(NOSHM) $(MAKE) test-mpi RANKS="2 3 4" TEST_TIMEOUT=120
 
 # Across hosts: two simulated hosts (network namespaces with their own addresses, hostnames and
 # /dev/shm; needs root, else it skips saying why), 2 ranks each, launched by MPICH's hydra through
