@@ -11,7 +11,7 @@ import pytest
 from tensorplay_mpi.testing import run_mpi
 
 
-@pytest.mark.parametrize("demo", ["train", "train_torch"])
+@pytest.mark.parametrize("demo", ["train", pytest.param("train_torch", marks=pytest.mark.slow)])
 def test_validation_counts_every_sample_once_and_equals_one_process(demo):
     pytest.importorskip("sklearn")
     if demo == "train_torch":

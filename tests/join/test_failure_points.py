@@ -41,6 +41,7 @@ def check(nprocs, first, others):
             assert text.startswith("RuntimeError: ") and "unusable" in text, context
 
 
+@pytest.mark.slow  # every neighbouring pair of failure points (~100 s with the next)
 @pytest.mark.parametrize("nprocs", [2])
 def test_every_pair_of_neighbouring_points_at_two_ranks(nprocs):
     for point in range(collectives(nprocs)):
@@ -48,6 +49,7 @@ def test_every_pair_of_neighbouring_points_at_two_ranks(nprocs):
         check(nprocs, point, point + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nprocs", [3, 4])
 def test_sampled_points_at_more_ranks(nprocs):
     total = collectives(nprocs)

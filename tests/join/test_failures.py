@@ -44,7 +44,7 @@ def test_a_rank_killed_with_sigkill_ends_the_job(nprocs):
     assert result.returncode != 0 and elapsed < 30, (elapsed, result.stdout, result.stderr)
 
 
-@pytest.mark.parametrize("nprocs", RANKS)
+@pytest.mark.parametrize("nprocs", [2, *(pytest.param(n, marks=pytest.mark.slow) for n in (3, 4))])
 def test_a_stalled_rank_times_out_with_a_report_and_an_abort(nprocs):
     result, elapsed = run_failing(nprocs, "stall", timeout=60, TENSORPLAY_MPI_TIMEOUT="2")
     assert result.returncode != 0 and elapsed < 20, (elapsed, result.stdout, result.stderr)
@@ -55,6 +55,7 @@ def test_a_stalled_rank_times_out_with_a_report_and_an_abort(nprocs):
         assert int(rank) != 1 and "iteration 3" in what and float(waited) >= 2.0
 
 
+@pytest.mark.slow  # waits out its deadline
 def test_a_stalled_wait_is_reported_once_with_where_every_rank_is():
     result, _ = run_failing(3, "stall", timeout=60, TENSORPLAY_MPI_TIMEOUT="8",
                             TENSORPLAY_MPI_STALL="2")
@@ -68,6 +69,7 @@ def test_a_stalled_wait_is_reported_once_with_where_every_rank_is():
     assert result.stderr.index("has waited") < result.stderr.index("CollectiveTimeoutError")
 
 
+@pytest.mark.slow
 def test_stall_reports_can_be_turned_off():
     result, _ = run_failing(2, "stall", timeout=60, TENSORPLAY_MPI_TIMEOUT="4",
                             TENSORPLAY_MPI_STALL="0")
@@ -126,7 +128,8 @@ def test_in_a_step_without_a_join_every_peer_raises_a_peer_failure_error():
                                          "ValueError: boom in a step without a Join"), outcomes
 
 
-@pytest.mark.parametrize("opt_out, ends", [("1", True), ("0", False)])
+@pytest.mark.parametrize("opt_out, ends", [("1", True),
+                                            pytest.param("0", False, marks=pytest.mark.slow)])
 def test_an_uncaught_exception_without_mpi4py_run_aborts_the_job(opt_out, ends):
     """Without ``-m mpi4py`` the library's excepthook aborts on one rank's uncaught error
     (TENSORPLAY_MPI_EXCEPTHOOK=0: it does not)."""
@@ -180,6 +183,7 @@ def test_a_sys_exit_in_a_thread_does_not_abort_a_job_that_ends_normally():
     assert results(result.stdout) == {0: "ok", 1: "ok"}, result.stdout
 
 
+@pytest.mark.slow  # waits out the grace period
 def test_a_rank_that_comes_to_the_agreement_after_the_grace_gets_the_same_verdict():
     result, elapsed = run_failing(2, "late", program=MISUSE, TENSORPLAY_MPI_GRACE="2")
     outcomes = results(result.stdout)
@@ -203,7 +207,7 @@ def test_a_work_waited_for_in_another_thread_is_never_tested_by_two_threads_at_o
     assert results(result.stdout) == {0: "ok", 1: "ok"}, (result.stdout, result.stderr)
 
 
-@pytest.mark.parametrize("debug", ["0", "1"])
+@pytest.mark.parametrize("debug", ["0", pytest.param("1", marks=pytest.mark.slow)])
 def test_a_timeout_names_the_likely_causes_and_nothing_follows_it(debug):
     result = run_mpi(2, [MISUSE, "own"], timeout=60, TENSORPLAY_MPI_TIMEOUT="3",
                      TENSORPLAY_MPI_DEBUG=debug)

@@ -23,7 +23,7 @@ _FIRST_WORDS = {"before": "RuntimeError: user error before", "after": "RuntimeEr
 
 
 @pytest.mark.parametrize("where", sorted(_FIRST_WORDS))
-@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_an_exception_in_a_step_with_a_rank_joined_ends_the_job_normally(nprocs, where):
     """Issue: rank 0 raised inside dp.step() while a rank had joined; every rank got a clear
     error, but the joined rank waited for a collective rank 0 never started, and the library

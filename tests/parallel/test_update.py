@@ -19,7 +19,7 @@ PROGRAM = str(PROGRAMS / "update_failure.py")
 
 
 @pytest.mark.parametrize("where", ["active", "joined"])
-@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_an_exception_in_update_raises_on_every_rank(nprocs, where):
     start = time.monotonic()
     result = run_mpi(nprocs, [PROGRAM, where], timeout=60)

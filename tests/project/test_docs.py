@@ -26,7 +26,7 @@ def test_the_docs_have_examples():
                                                 "testing", "sharp_bits"}
 
 
-@pytest.mark.parametrize("nprocs", [1, 3])
+@pytest.mark.parametrize("nprocs", [1, pytest.param(3, marks=pytest.mark.slow)])  # ~50 s at 3
 @pytest.mark.parametrize("page, index, code", BLOCKS, ids=[f"{p}-{i}" for p, i, _ in BLOCKS])
 def test_docs_example_runs(tmp_path, nprocs, page, index, code):
     if re.search(r"^import torch", code, re.M):

@@ -70,7 +70,9 @@ def test_make_data_is_deterministic():
 
 
 @pytest.mark.parametrize("nprocs, flags", [
-    (1, []), (2, ["--divide", "active"]), (3, ["--skew", "0"]), (4, []),
+    (1, []), (2, ["--divide", "active"]),
+    pytest.param(3, ["--skew", "0"], marks=pytest.mark.slow),
+    pytest.param(4, [], marks=pytest.mark.slow),
 ])
 def test_demo_training_is_accurate_exact_and_identical_on_every_rank(nprocs, flags):
     result = run_mpi(nprocs, ["-m", "tensorplay_mpi.examples.train", *flags], timeout=300)
@@ -92,6 +94,7 @@ def demo_lines(stdout):
             for line in stdout.splitlines()]
 
 
+@pytest.mark.slow
 def test_the_torch_demo_prints_the_demo_lines_and_trains_as_well():
     pytest.importorskip("torch")
     nprocs = 3

@@ -22,6 +22,7 @@ def reference(nprocs):
     return demo_digest(run_mpi(nprocs, [*TORCH_DEMO, *DEMO], timeout=120))
 
 
+@pytest.mark.slow  # the NumPy demo's case at 2 ranks stays in make test
 @pytest.mark.parametrize("nprocs, signal, ranks, batch, where", [
     # a signal in batch B's forward pass rides in heartbeat B + 1: B + 1 batches done
     (1, "SIGTERM", "all", 100, r"epoch 2, step 101 \(batches done by rank: \[11\]\)"),
