@@ -3,7 +3,7 @@
 from typing import TYPE_CHECKING
 
 from . import checkpoint, comm, data, optim
-from .algorithms.join import Join, Joinable, JoinHook
+from .algorithms.join import ElasticJoinable, Join, Joinable, JoinHook
 from .algorithms.joinable_comm import JoinableComm
 from .comm.collectives import Work
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, EarlyTerminationError,
@@ -33,7 +33,8 @@ def __dir__() -> list[str]:
     return sorted([*globals(), "SyncBatchNorm"])
 
 __all__ = [
-    "Join", "Joinable", "JoinHook", "Work", "DataParallel", "JoinableComm", "SyncBatchNorm",
+    "Join", "Joinable", "JoinHook", "ElasticJoinable", "Work", "DataParallel", "JoinableComm",
+    "SyncBatchNorm",
     "SGD", "Adam", "AdamW", "ZeroRedundancyOptimizer",
     "CollectiveMismatchError", "CollectiveTimeoutError", "EarlyTerminationError",
     "PeerFailureError", "RanksLostError", "stop_on_signals", "request_stop", "stop_requested",

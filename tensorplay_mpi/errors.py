@@ -72,4 +72,4 @@ class RanksLostError(PeerFailureError):
         (those of the training loop, after a loss in a validation Join).
         """
         for joinable in joinables:
-            joinable._move_to(self.comm)
+            joinable.move_to(self.comm)

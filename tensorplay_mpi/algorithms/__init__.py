@@ -1,5 +1,6 @@
 """Distributed algorithms: the Join context manager for uneven inputs."""
 
-from .join import Join, Joinable, JoinHook
+from .elastic import recover
+from .join import ElasticJoinable, Join, Joinable, JoinHook
 
-__all__ = ["Join", "Joinable", "JoinHook"]
+__all__ = ["Join", "Joinable", "JoinHook", "ElasticJoinable", "recover"]

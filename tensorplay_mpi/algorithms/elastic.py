@@ -15,13 +15,14 @@ on every survivor:
 3. moves every joinable onto the survivors' communicator, and raises
    :class:`~tensorplay_mpi.errors.RanksLostError` saying what happened.
 
-A joinable takes part when it sets ``_elastic = True`` and implements ``_elastic_progress()``
-(updates applied, or ``None`` when it owns no step), ``_elastic_state()`` (the arrays a
-survivor behind receives, its counters among them), ``_elastic_restore()`` (read its counters
-back from those arrays) and ``_move_to(comm)``; optionally ``_elastic_companions()``: the
-objects outside the Join whose state its steps advance (a DataParallel's ``update=``
-optimizer, :func:`update_owner`), settled with it: their ``state_dict()``, pickled on the
-survivor whose state every survivor adopts, is loaded (``load_state_dict()``) on the others.
+A joinable takes part when it is an :class:`~tensorplay_mpi.algorithms.ElasticJoinable`:
+``elastic_progress()`` (updates applied, or ``None`` when it owns no step),
+``elastic_state()`` (the arrays a survivor behind receives, its counters among them),
+``elastic_restore()`` (read its counters back from those arrays), ``move_to(comm)`` and
+``elastic_companions()``: the objects outside the Join whose state its steps advance (a
+DataParallel's ``update=`` optimizer, :func:`update_owner`), settled with it: their
+``state_dict()``, pickled on the survivor whose state every survivor adopts, is loaded
+(``load_state_dict()``) on the others.
 
 The buffers (BatchNorm's running statistics) an interrupted step's forward pass moved are not
 the state of any completed step: a DataParallel keeps a copy of them as its last completed
@@ -48,6 +49,7 @@ from ..comm.shrink import agree, shrink
 from ..errors import RanksLostError
 from ..process import set_up
 from ..settings import settings
+from ._joinable import ElasticJoinable, Joinable
 
 __all__ = ["BufferSnapshot", "check_elastic", "companions", "progress", "recover",
            "settle", "update_owner"]
@@ -58,14 +60,15 @@ _STATE_METHODS = ("state_dict", "load_state_dict")  # what update='s owner needs
 def check_elastic(joinables: Sequence[Any]) -> None:
     """Raise ``ValueError`` unless every joinable can go on without lost ranks and one owns the
     step (every rank alike: it depends on the kinds only)."""
-    refused = [type(j).__name__ for j in joinables if not getattr(j, "_elastic", False)]
+    refused = [type(j).__name__ for j in joinables if not isinstance(j, ElasticJoinable)]
     if refused:
         raise ValueError(
             f"Join(elastic=True): {', '.join(refused)} cannot go on without a lost rank (its "
             "state would be lost with it: a ZeroRedundancyOptimizer's shards, a joinable of "
-            "your own); leave elastic off and resume from periodic saves instead")
+            "your own that is not an ElasticJoinable); leave elastic off and resume from "
+            "periodic saves instead")
     companions(joinables)  # a DataParallel's update= that cannot be settled raises here
-    if progress(joinables) is None and any(j._elastic_needs_owner for j in joinables):
+    if progress(joinables) is None and any(j.needs_step_owner for j in joinables):
         raise ValueError(
             "Join(elastic=True) needs the joinable that applies the step in the Join, to "
             "settle an interrupted step: DataParallel(..., update=...) or Join([dp, opt]) "
@@ -97,7 +100,7 @@ def update_owner(update: Callable[[], Any]) -> Any:
             "own whose state_dict() holds the optimizer's and the scheduler's "
             "(docs/elastic.md); with one of this library's optimizers bound to dp.grads, use "
             "Join([dp, opt]) instead of update=")
-    if getattr(owner, "_elastic", True) is False:
+    if isinstance(owner, Joinable) and not isinstance(owner, ElasticJoinable):
         raise ValueError(
             f"Join(elastic=True): DataParallel's update= steps {type(owner).__name__}, which "
             "cannot go on without a lost rank (its shards would be lost with it); leave "
@@ -119,10 +122,10 @@ def _scheduler_wrapped(update: Callable[[], Any]) -> Any:
 
 def companions(joinables: Sequence[Any]) -> list[Any]:
     """The objects outside the Join whose state the steps of `joinables` advance (each
-    joinable's ``_elastic_companions()``: a DataParallel's ``update=`` optimizer), once each;
+    joinable's ``elastic_companions()``: a DataParallel's ``update=`` optimizer), once each;
     raises what :func:`update_owner` raises."""
     found = [owner for j in joinables
-             for owner in getattr(j, "_elastic_companions", list)()]
+             for owner in j.elastic_companions()]
     return list({id(owner): owner for owner in found}.values())
 
 
@@ -168,7 +171,7 @@ class BufferSnapshot:
 
 def progress(joinables: Sequence[Any]) -> int | None:
     """The updates applied on this rank: the highest count of the joinables that own a step."""
-    counts = [c for c in (j._elastic_progress() for j in joinables) if c is not None]
+    counts = [c for c in (j.elastic_progress() for j in joinables) if c is not None]
     return max(counts) if counts else None
 
 
@@ -188,7 +191,7 @@ def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException 
     comm : mpi4py.MPI.Intracomm
         The communicator that lost ranks (the Join's).
     joinables : sequence of Joinable
-        The Join's joinables (every one with ``_elastic``).
+        The Join's joinables (every one an ElasticJoinable).
     error : BaseException or None
         MPI's report of the loss on this rank (None: :func:`~tensorplay_mpi.comm.shrink.agree`
         said so).
@@ -232,7 +235,7 @@ def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException 
         current, agreed = survivors, True  # the settle's agreement said a rank was lost
     step, root = settled
     for joinable in joinables:
-        joinable._move_to(survivors)
+        joinable.move_to(survivors)
     completed = mine < step
     how = ("no step to settle" if progress(joinables) is None else
            f"from step {step}, completed on this rank by rank {root} of the survivors"
@@ -267,7 +270,7 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
     """
     step, root = _agree_on_step(comm, progress(joinables) or 0, timeout)
     owners = companions(joinables)
-    arrays = list({id(a): a for j in joinables for a in j._elastic_state()}.values())
+    arrays = list({id(a): a for j in joinables for a in j.elastic_state()}.values())
     received = arrays if comm.Get_rank() == root else [a.copy() for a in arrays]  # scratch:
     works = [ibcast(comm, a, root, f"elastic settle: state {i + 1} of {len(received)}")
              for i, a in enumerate(received)]  # adopted once every rank has it
@@ -280,7 +283,7 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
         if value is not array:
             copy_into(array, value)
     for joinable in joinables:
-        joinable._elastic_restore()
+        joinable.elastic_restore()
     failure = None
     if comm.Get_rank() != root:
         try:

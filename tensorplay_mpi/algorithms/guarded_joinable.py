@@ -51,24 +51,12 @@ class GuardedJoinable(Joinable):
         self._guard = Guard.attach(self.comm)  # collective first: a bad timeout on one rank
         self.timeout = resolve_timeout(timeout)
 
-    def _move_to(self, comm: MPI.Intracomm) -> None:
+    def move_to(self, comm: MPI.Intracomm) -> None:
         """Work on `comm` from now on: the survivors' communicator after a lost rank (an
         elastic Join); collective over `comm`."""
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._guard = Guard.attach(comm)
-
-    def _elastic_progress(self) -> int | None:
-        """Updates applied on this rank, for an elastic Join's settle; None: owns no step."""
-        return None
-
-    def _elastic_state(self) -> list[Any]:
-        """The arrays that a survivor behind receives (an elastic Join's settle), counters in
-        arrays of their own."""
-        return []
-
-    def _elastic_restore(self) -> None:
-        """Read the counters back from the arrays of :meth:`_elastic_state`."""
 
     def _wait(self, work: Work) -> Any:
         """Wait for `work` under this joinable's deadline; return its result."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from abc import ABC, abstractmethod
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -37,163 +36,20 @@ from mpi4py import MPI
 
 from ..comm.buffers import check_device
 from ..comm.collectives import Work, check_comm, iallreduce, resolve_timeout
-from ..comm.fault_tolerance import fault_tolerance, is_process_failure, lost_rank_error
-from ..comm.guard import Guard
-from ..comm.shrink import agree, revoke
-from ..comm.work import complete_pending
 from ..errors import EarlyTerminationError
 from ..process import set_up
-from ..replicas import check_replicas
-from ..settings import settings
-from .elastic import check_elastic, progress, recover
+from ._joinable import ElasticJoinable, Joinable, JoinHook, _bound_join, _check_not_forgotten
+from ._recovery import Recovery
 from .requests import Requests
 from .stream import BlockOrderer, BlockStream
 
-__all__ = ["Join", "Joinable", "JoinHook"]
+__all__ = ["Join", "Joinable", "JoinHook", "ElasticJoinable"]
 
 SKEW_WARN_ROUNDS = 1000
 """A joined rank that shadows more rounds than this warns once about the input skew."""
 
 _running: list["Join"] = []  # the entered, enabled Joins of this process, innermost last
 _saving: list["Join"] = []  # the Joins whose on_save runs now
-
-class JoinHook:
-    """What a joinable does on a rank that has run out of inputs.
-
-    Both methods are no-ops; override the ones you need.
-    """
-
-    def main_hook(self) -> None:
-        """Shadow exactly the collectives of one active iteration (called once per round)."""
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        """Finish up once every rank has joined.
-
-        Parameters
-        ----------
-        is_last_joiner : bool
-            True iff no rank was still active when this rank joined (ties allowed).
-        """
-
-
-class Joinable(ABC):
-    """Something that issues collectives per iteration and can shadow them once joined.
-
-    Subclasses must call ``Joinable.__init__`` (``super().__init__()``) and implement
-    :meth:`join_hook`, :attr:`join_device` and :attr:`join_process_group`.  Each iteration
-    should start with ``Join.notify_join_context(self)``.  :attr:`join_context` is the Join
-    the joinable is bound to; :meth:`end_iteration` may be overridden.
-    """
-
-    _orders_blocks = False
-    """True for a joinable whose announcements order every collective of an iteration while
-    ranks have joined (:class:`~tensorplay_mpi.JoinableComm`): at most one per Join."""
-    _announces_blocks = False
-    """True for a joinable whose iteration is one block of collectives that it announces in
-    a Join with an ordering joinable (see :meth:`Join.announce`); its hook then runs where
-    the announcement is, not in list order (DataParallel, the library's optimizers)."""
-    _elastic = False
-    """True for a joinable that can go on without lost ranks in a ``Join(elastic=True)``
-    (:mod:`~tensorplay_mpi.algorithms.elastic` lists what it implements)."""
-    _elastic_needs_owner = False
-    """True for a joinable whose state an interrupted step changes through another one that
-    applies the step (DataParallel's parameters: an optimizer in the Join, or ``update=``)."""
-
-    @abstractmethod
-    def __init__(self) -> None:
-        super().__init__()
-        self._bound_join: Join | None = None
-        self._made_join: Join | None = None  # the latest Join made with it, until entered
-
-    @abstractmethod
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """Return the hook that shadows this joinable; gets every kwarg given to :class:`Join`."""
-
-    @property
-    @abstractmethod
-    def join_device(self) -> str:
-        """Device of this joinable's data: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
-
-    @property
-    @abstractmethod
-    def join_process_group(self) -> MPI.Intracomm:
-        """The communicator this joinable's collectives run on."""
-
-    @property
-    def join_context(self) -> "Join | None":
-        """The entered Join this joinable is bound to, else ``None``.
-
-        Its public state (:attr:`Join.enabled`, :attr:`Join.joinables`, :attr:`Join.joined`,
-        :meth:`Join.active_ranks`) is what a joinable may read about its Join.
-        """
-        return _bound_join(self)
-
-    def _set_join_context(self, join: "Join | None") -> None:
-        """Bind this joinable to `join` from its ``__enter__`` to its ``__exit__`` (``None``):
-        the only writer of :attr:`join_context`."""
-        self._bound_join = join
-        if join is not None:
-            self._made_join = None  # entered: not a forgotten Join
-
-    def _made_into(self, join: "Join") -> None:
-        """`join` was made with this joinable: until it is entered, it may be forgotten."""
-        self._made_join = join
-
-    def replicated_arrays(self) -> "list[Any]":
-        """Arrays that must be identical on every rank (parameters, replicated optimizer state).
-
-        After a failure every rank caught at the same point, the next Join on the communicator
-        compares a digest of them across ranks (:mod:`tensorplay_mpi.replicas`).  The default
-        is none.
-        """
-        return []
-
-    def end_iteration(self) -> None:
-        """Close the current iteration; the Join calls it before each heartbeat and once
-        before this rank starts shadowing, for every joinable in list order.
-
-        A joinable whose iterations end with a message to joined ranks (JoinableComm sends an
-        END announcement) sends it here.  The default does nothing.
-        """
-
-    def defers_requests(self) -> bool:
-        """Whether a stop or a periodic save must wait for a later iteration boundary: this
-        joinable holds state that a later iteration completes (DataParallel: gradients
-        accumulated under ``no_sync()`` and not yet averaged).  It must be the same on every
-        rank at each boundary, joined ranks included.  The default is False."""
-        return False
-
-    def start_ready(self) -> None:
-        """Start, now, the collectives this joinable holds ready to start (DataParallel's
-        buckets whose gradients are final): another joinable of the Join is about to issue
-        one, and the order of an iteration's collectives must not depend on timing.  The
-        default does nothing.
-        """
-
-
-def _bound_join(joinable: Joinable) -> "Join | None":
-    try:
-        return joinable._bound_join
-    except AttributeError:
-        name = type(joinable).__name__
-        raise TypeError(
-            f"{name} does not call the Joinable constructor: add super().__init__() "
-            f"(or Joinable.__init__(self)) to {name}.__init__"
-        ) from None
-
-
-def _check_not_forgotten(joinable: Joinable) -> None:
-    """Raise if a Join was made with `joinable` and never entered: its iterations would run
-    without the protocol (uneven inputs hang), silently."""
-    made = joinable._made_join
-    if made is not None and made._enable:
-        joinable._made_join = None  # said once
-        name = type(joinable).__name__
-        raise RuntimeError(
-            f"a Join was made with this {name} but never entered, so its iterations run "
-            f"outside any Join: use the Join as a context manager, `with Join([...]):` "
-            f"(a bare Join(...) or dp.join() call does nothing)")
-
 
 class Join:
     """Context manager that lets ranks with fewer inputs shadow ranks that still have inputs.
@@ -336,10 +192,6 @@ class Join:
         self._check_joinables()
         if not isinstance(elastic, bool):
             raise TypeError(f"elastic must be True or False, got {elastic!r}")
-        self._elastic = elastic
-        if self._elastic:
-            check_elastic(self._joinables)
-        self._entered_progress = 0  # updates applied when entered (elastic)
         if on_save is not None and not callable(on_save):
             raise TypeError(f"on_save must be a callable or None, got {type(on_save).__name__}")
         self._comm: MPI.Intracomm = self._joinables[0].join_process_group
@@ -349,6 +201,7 @@ class Join:
         self._enable = bool(enable)
         self._throw_on_early_termination = bool(throw_on_early_termination)
         self._timeout = resolve_timeout(timeout)
+        self._recovery = Recovery(self._comm, self._joinables, elastic, self._timeout)
         self._join_hooks = [joinable.join_hook(**kwargs) for joinable in self._joinables]
         orderers = [j for j in self._joinables
                     if j._orders_blocks and isinstance(j, BlockOrderer)]
@@ -359,7 +212,6 @@ class Join:
             if self._stream is None or not self._stream.follows(joinable)]
         self._heartbeats: list[Work] = []  # started heartbeats, owned until they complete
         self._count = np.zeros(1, dtype=np.int64)  # the one buffer of every poll/throw pair
-        self._guard: Guard | None = None
         self._iterations = 0  # heartbeats sent
         self._requests = Requests(self._deferring)
         self._on_save = on_save
@@ -408,14 +260,9 @@ class Join:
                 )
         self._entered = True
         set_up(self._comm)  # a bad environment value raises here, before anything starts
-        self._guard = Guard.attach(self._comm)
-        if self._enable and self._guard.replica_check_due:  # after a caught failure only
-            self._guard.replica_check_due = False
-            check_replicas(self._comm, self._joinables, self._timeout)
+        self._recovery.enter(self._enable)
         for joinable in self._joinables:
             joinable._set_join_context(self)
-        if self._elastic:
-            self._entered_progress = progress(self._joinables) or 0  # not None: checked
         if self._enable:
             _running.append(self)
         return self
@@ -451,7 +298,7 @@ class Join:
     @property
     def elastic(self) -> bool:
         """Whether the Join goes on without lost ranks (``elastic=True``)."""
-        return self._elastic
+        return self._recovery.elastic
 
     @property
     def joined(self) -> bool:
@@ -564,7 +411,7 @@ class Join:
             if not self._enable:  # inert: started nothing, agrees on nothing
                 return
             if exc is not None:
-                self._settle(exc)
+                self._recovery.settle(exc, self._heartbeats.clear)
             else:
                 try:
                     self._finish_iterations()
@@ -572,25 +419,16 @@ class Join:
                     self._run_due_save()
                     self._join_loop()
                 except BaseException as error:
-                    self._settle(error)
+                    self._recovery.settle(error, self._heartbeats.clear)
                     raise
-                self._agree_on_the_end()
+                self._recovery.agree_on_the_end()
         finally:
             if self in _running:
                 _running.remove(self)
             for joinable in self._joinables:
                 joinable._set_join_context(None)
-            if self._guard is not None:
-                self._guard.forget_settled()  # the exception, its frames and their objects
-                self._guard.drain()  # stall questions that came while this rank computed
+            self._recovery.exit()
             self._release()
-
-    def _agree_on_the_end(self) -> None:
-        """An elastic Join under fault tolerance ends on every rank alike: a rank lost before
-        every survivor left it (in the post hooks, say) is recovered from on every survivor."""
-        if self._elastic and fault_tolerance()[0] and not agree(self._comm):
-            raise recover(self._comm, self._joinables, None, self._timeout,
-                          self._entered_progress, agreed=True)
 
     def _release(self) -> None:
         """Drop the joinables and their hooks: an exited Join (a ``with ... as join`` variable
@@ -598,24 +436,6 @@ class Join:
         deleted after the block can be replaced (after unfreezing parameters, say)."""
         self._joinables, self._join_hooks, self._round_hooks = [], [], []
         self._stream = None
-
-    def _settle(self, error: BaseException) -> None:
-        """The failure path: agree with every rank; when every rank failed on its own, complete
-        every operation still pending on the communicator (of any joinable), so nothing leaks
-        into the next Join.  A rank lost (MPI reports it under ULFM) raises PeerFailureError
-        naming it instead of MPI's error, or, when elastic, RanksLostError once the survivors
-        go on without it (:mod:`~tensorplay_mpi.algorithms.elastic`)."""
-        if self._guard is not None and self._guard.settle(error).intact:
-            self._heartbeats.clear()
-            complete_pending(self._guard, self._timeout)
-        if is_process_failure(error, self._comm):
-            self._heartbeats.clear()
-            if self._elastic:
-                raise recover(self._comm, self._joinables, error, self._timeout,
-                              self._entered_progress) from error
-            failure = lost_rank_error(self._comm, error)
-            revoke(self._comm, settings().grace)  # nothing left pending: the exit is clean
-            raise failure from error
 
     @staticmethod
     def notify_join_context(joinable: Joinable) -> Work | None:

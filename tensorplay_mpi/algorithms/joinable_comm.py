@@ -51,7 +51,7 @@ from ..errors import CollectiveMismatchError
 from ..threads import oversubscribed
 from . import announcements as wire
 from .guarded_joinable import GuardedJoinable
-from .join import Join, JoinHook
+from .join import ElasticJoinable, Join, JoinHook
 from .stream import BlockStream
 
 __all__ = ["JoinableComm"]
@@ -70,7 +70,7 @@ def _completed(value: Any, what: str) -> Work:
     return work
 
 
-class JoinableComm(GuardedJoinable):
+class JoinableComm(GuardedJoinable, ElasticJoinable):
     """A Joinable wrapping a communicator: its collectives are shadowed automatically.
 
     Results on active ranks are exactly what they would be if the joined ranks did not exist.
@@ -122,10 +122,10 @@ class JoinableComm(GuardedJoinable):
         self._where = "iteration 0"
         self._persistent = self._persistent_everywhere()
 
-    _elastic = True  # owns no step: nothing to settle, only its communicator to move
-
-    def _move_to(self, comm: MPI.Intracomm) -> None:
-        super()._move_to(comm)
+    def move_to(self, comm: MPI.Intracomm) -> None:
+        """Work on `comm` from now on (an elastic Join's survivors): it owns no step, so
+        nothing else is settled."""
+        super().move_to(comm)
         self._row_headers = np.empty((self.size, 2), np.int64)
         self._owner, self._others, self._announcing, self._works = None, [], None, []
         self._active, self._highest = self.size, (None, 0, -1)

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..algorithms.join import Join
+from ..algorithms.join import ElasticJoinable, Join
 from ..comm.buffers import device_of, zeros_like
 from ..comm.collectives import check_comm
 from ..comm import torch_cuda
@@ -45,7 +45,7 @@ def _zeros_like(p: Any) -> Any:
     return rules.aligned_zeros(p.shape, p.dtype) if type(p) is np.ndarray else zeros_like(p)
 
 
-class Optimizer(LinkedOptimizer, OptimizerState):
+class Optimizer(LinkedOptimizer, ElasticJoinable, OptimizerState):
     """Base class: bound params and grads, one group of hyperparameters, per-parameter state.
 
     Subclasses set :attr:`state_names` and implement :meth:`_update` and :meth:`_checked`.
@@ -228,22 +228,24 @@ class Optimizer(LinkedOptimizer, OptimizerState):
         """The parameters, the state and the step counts: the same on every rank."""
         return [*self.params, *self.replicated_state()]
 
-    # -- an elastic Join's settle (tensorplay_mpi.algorithms.elastic) ------------------------
+    # -- ElasticJoinable: an elastic Join's settle ------------------------------------------
 
-    _elastic = True
-
-    def _elastic_progress(self) -> int | None:
+    def elastic_progress(self) -> int | None:
+        """The steps applied on this rank."""
         return self.steps
 
-    def _elastic_state(self) -> list[Any]:
+    def elastic_state(self) -> list[Any]:
+        """The parameters, the state arrays, the per-parameter step counts and the step count."""
         self._counter[0] = self.steps
         return [*self.params, *(a for s in self.state for a in s.values()), self.param_steps,
                 self._counter]
 
-    def _elastic_restore(self) -> None:
+    def elastic_restore(self) -> None:
+        """Read the step count back."""
         self.steps = int(self._counter[0])
 
-    def _move_to(self, comm: MPI.Intracomm) -> None:
+    def move_to(self, comm: MPI.Intracomm) -> None:
+        """Work on `comm` from now on."""
         self.comm = comm
 
     @property

@@ -45,7 +45,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.guarded_joinable import GuardedJoinable
-from ..algorithms.join import Join, JoinHook
+from ..algorithms.join import ElasticJoinable, Join, JoinHook
 from ..comm.tensors import JOIN_CHECK
 from .checks import check_construction, check_step
 from .gradient_link import PlaceCheck
@@ -101,7 +101,7 @@ class _MustEnter:
         return self._manager.__exit__(*exc_info)
 
 
-class DataParallel(GuardedJoinable):
+class DataParallel(GuardedJoinable, ElasticJoinable):
     """Average gradients over ranks, in buckets, with uneven numbers of batches per rank.
 
     Collective over `comm`: every rank constructs it, with the same parameter shapes and
@@ -396,25 +396,29 @@ class DataParallel(GuardedJoinable):
         save then would lose the accumulated gradients, so the Join holds it back."""
         return self._reducer.unsynced
 
-    # -- an elastic Join's settle (tensorplay_mpi.algorithms.elastic): the reducer's ---------
+    # -- ElasticJoinable: an elastic Join's settle, the reducer's ---------------------------
 
-    _elastic = True
-    _elastic_needs_owner = True  # its parameters change through the optimizer or update=
+    needs_step_owner = True  # its parameters change through the optimizer or update=
 
-    def _elastic_progress(self) -> int | None:
+    def elastic_progress(self) -> int | None:
+        """``update=`` runs completed when it owns the step (``update=``), else ``None``."""
         return self._reducer.elastic_progress()
 
-    def _elastic_state(self) -> list[Any]:
+    def elastic_state(self) -> list[Any]:
+        """The parameters, the buffers as the last completed step left them, the counters."""
         return self._reducer.elastic_state()
 
-    def _elastic_restore(self) -> None:
+    def elastic_restore(self) -> None:
+        """The counters and the buffers of the settled step."""
         self._reducer.elastic_restore()
 
-    def _elastic_companions(self) -> list[Any]:
+    def elastic_companions(self) -> list[Any]:
+        """The object whose method ``update=`` is (an optimizer), else none."""
         return self._reducer.elastic_companions()
 
-    def _move_to(self, comm: MPI.Intracomm) -> None:
-        super()._move_to(comm)
+    def move_to(self, comm: MPI.Intracomm) -> None:
+        """Work on `comm` from now on (and ``update=``'s library optimizer with it)."""
+        super().move_to(comm)
         self._reducer.moved(comm)
 
     def replicated_arrays(self) -> list[Any]:

@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.elastic import BufferSnapshot, update_owner
-from ..algorithms.join import JoinHook
+from ..algorithms.join import ElasticJoinable, JoinHook
 from ..comm import torch_cuda
 from ..comm.collectives import Work, iallreduce, ibcast
 from ..comm.tensors import as_array, is_tensor, like
@@ -466,9 +466,9 @@ class Reducer:
     def moved(self, comm: MPI.Intracomm) -> None:
         """The owner works on `comm` from now on: so does ``update=``'s library optimizer; no
         step is in progress, and no bucket carries samples."""
-        mover = getattr(getattr(self.update, "__self__", None), "_move_to", None)
-        if callable(mover):  # a library optimizer stepped by update=
-            mover(comm)
+        owner = getattr(self.update, "__self__", None)
+        if isinstance(owner, ElasticJoinable):  # a library optimizer stepped by update=
+            owner.move_to(comm)
         self.step, self.unsynced = None, False
         for bucket in self._buckets:
             bucket.samples.fill(0)

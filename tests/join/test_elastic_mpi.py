@@ -5,10 +5,13 @@ import pickle
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 from toys import AllReducer
 
-from tensorplay_mpi import SGD, Adam, DataParallel, Join, JoinableComm, ZeroRedundancyOptimizer
+from tensorplay_mpi import (SGD, Adam, DataParallel, ElasticJoinable, Join, JoinableComm, JoinHook,
+                            ZeroRedundancyOptimizer)
 from tensorplay_mpi.algorithms import elastic
+from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.testing import assert_all, raises_everywhere
 
 
@@ -134,12 +137,12 @@ def test_the_settle_gives_the_state_of_the_lowest_rank_that_applied_the_step(com
     if ahead:
         dp.grads[0][...] = 5.0
         opt.update()
-    expected = [a.copy() for a in opt._elastic_state()]
+    expected = [a.copy() for a in opt.elastic_state()]
     for array in expected:  # rank 1's: the lowest rank ahead
         comm.Bcast(array, root=1)
     step, root = elastic.settle(comm, [dp, opt], 60.0)
     ok = (step, root) == (3, 1) and opt.steps == 3 and dp.steps == 2 and all(
-        np.array_equal(a, e) for a, e in zip(opt._elastic_state(), expected))
+        np.array_equal(a, e) for a, e in zip(opt.elastic_state(), expected))
     assert_all(ok, f"rank {comm.rank}: settled at {step} from {root}, params {params[0]} "
                    f"(rank 1's {expected[0]}), steps {opt.steps}/{dp.steps}")
 
@@ -179,14 +182,17 @@ class Applied:
     def __init__(self, updates):
         self.updates = updates
 
-    def _elastic_progress(self):
+    def elastic_progress(self):
         return self.updates
 
-    def _elastic_state(self):
+    def elastic_state(self):
         return []
 
-    def _elastic_restore(self):
+    def elastic_restore(self):
         pass
+
+    def elastic_companions(self):
+        return []
 
 
 def torch_state(model, opt):
@@ -276,3 +282,92 @@ def test_an_owner_state_that_fails_on_one_survivor_raises_on_every_survivor(comm
         expected = ValueError
     with raises_everywhere(expected):
         elastic.settle(comm, [dp, Applied(1 + int(ahead))], 60.0)
+
+
+class RunningSum(ElasticJoinable):
+    """A user's elastic joinable, written from the documented protocol only: each step sums one
+    value over the ranks (a joined rank adds 0) and adds it to a total every rank holds."""
+
+    def __init__(self, comm):
+        super().__init__()
+        self.comm = comm
+        self.total = np.zeros(1)  # the replicated state
+        self.count = np.zeros(1, np.int64)  # the steps applied, an array: a settle writes it
+
+    def step(self, value):
+        Join.notify_join_context(self)
+        self.apply(self.reduce(value))
+
+    def reduce(self, value):
+        buf = np.array([float(value)])
+        iallreduce(self.comm, MPI.IN_PLACE, buf, MPI.SUM).wait()
+        return buf[0]
+
+    def apply(self, summed):
+        self.total += summed
+        self.count += 1
+
+    def elastic_progress(self):
+        return int(self.count[0])
+
+    def elastic_state(self):
+        return [self.total, self.count]
+
+    def move_to(self, comm):
+        self.comm = comm
+
+    def join_hook(self, **kwargs):
+        summer = self
+
+        class Shadow(JoinHook):
+            def main_hook(self):
+                summer.apply(summer.reduce(0.0))
+        return Shadow()
+
+    @property
+    def join_device(self):
+        return "cpu"
+
+    @property
+    def join_process_group(self):
+        return self.comm
+
+
+@pytest.mark.mpi
+def test_a_users_elastic_joinable_runs_uneven_inputs_and_settles_from_the_rank_ahead(comm):
+    """The public protocol (ElasticJoinable): accepted by Join(elastic=True), exact on uneven
+    inputs (against the closed-form sum), and settled from the lowest rank that applied one
+    more update (what a step interrupted by a lost rank leaves)."""
+    summer = RunningSum(comm)
+    steps = [2 + r for r in range(comm.size)]  # rank r steps 2 + r times, with value r + 1
+    with Join([summer], elastic=True):
+        for _ in range(steps[comm.rank]):
+            summer.step(comm.rank + 1)
+    expected = sum((r + 1) * n for r, n in enumerate(steps))
+    ok = summer.total[0] == expected and summer.count[0] == max(steps)
+    ahead = comm.rank % 2 == 1  # ranks 1, 3: an interrupted step applied here only
+    if ahead:
+        summer.apply(100.0 * comm.rank)
+    step, root = elastic.settle(comm, [summer], 60.0)
+    settled = expected + 100.0 if comm.size > 1 else expected
+    if comm.size > 1:
+        ok = ok and (step, root) == (max(steps) + 1, 1)
+    ok = ok and summer.total[0] == settled and summer.count[0] == step
+    assert_all(ok, f"rank {comm.rank}: total {summer.total[0]} (expected {expected}, then "
+                   f"{settled}), count {summer.count[0]}, settled {step} from {root}")
+
+
+@pytest.mark.mpi
+def test_an_elastic_joinable_without_move_to_cannot_be_made(comm):
+    class NoMove(ElasticJoinable):
+        def __init__(self):
+            super().__init__()
+
+        def join_hook(self, **kwargs):
+            return JoinHook()
+
+        join_device = "cpu"
+        join_process_group = comm
+
+    with raises_everywhere(TypeError, match="move_to"):
+        NoMove()
