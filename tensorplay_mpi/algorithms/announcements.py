@@ -28,8 +28,8 @@ __all__ = ["END", "ALLREDUCE", "ALLGATHER", "BCAST", "REFUSED", "CARRIED_ALLREDU
            "OP_KINDS", "FIELDS", "ROOT_IS_ME", "RANK", "PAYLOAD_AT", "PAYLOAD", "SLOTS",
            "NOBODY", "MAX_CODE", "MIN_CODE", "identity", "checked_op_name", "code_of_op",
            "refuse_op", "dtype_code", "covered", "digest", "carried_op", "order_keys",
-           "from_order_keys", "float_keys", "float_values", "ROWS_KEPT", "encode", "describe",
-           "decode"]
+           "from_order_keys", "reversed_keys", "float_keys", "float_values", "ROWS_KEPT",
+           "encode", "describe", "decode"]
 
 END, ALLREDUCE, ALLGATHER, BCAST, REFUSED = 1, 2, 3, 4, 5
 CARRIED_ALLREDUCE, CARRIED_BCAST = 6, 7  # the data travelled in the announcement
@@ -142,6 +142,12 @@ def order_keys(x: np.ndarray, reverse: bool) -> np.ndarray:
     return ~keys if reverse else keys
 
 
+def reversed_keys(op_code: int) -> bool:
+    """Whether an allreduce of `op_code` that an announcement carries travels as reversed
+    keys (MIN, LAND: so that MAX reduces them)."""
+    return _ORDERED[OPS[op_code - 1]]
+
+
 def from_order_keys(keys: np.ndarray, dtype: np.dtype, reverse: bool) -> np.ndarray:
     """The values of :func:`order_keys`."""
     keys = ~keys if reverse else keys
@@ -223,6 +229,8 @@ def describe(fields: tuple) -> str:
         what += f" ({OPS[op - 1]}{', persistent' if kind == ALLREDUCE and rows & 1 else ''})"
     elif root != -1 or kind in (BCAST, CARRIED_BCAST):
         what += f" from root {'highest_active' if root == -1 else root}"
+    if kind != ALLGATHER and rows >> 2:
+        what += f", {'into' if rows >> 2 & 3 == 2 else 'out'}= kept array {rows >> 4}"
     return what
 
 

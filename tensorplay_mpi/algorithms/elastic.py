@@ -67,6 +67,12 @@ def check_elastic(joinables: Sequence[Any]) -> None:
             "state would be lost with it: a ZeroRedundancyOptimizer's shards, a joinable of "
             "your own that is not an ElasticJoinable); leave elastic off and resume from "
             "periodic saves instead")
+    owners = [type(j).__name__ for j in joinables if j.elastic_progress() is not None]
+    if len(owners) > 1:
+        raise ValueError(
+            f"Join(elastic=True): {' and '.join(owners)} both count the updates they apply; "
+            "the settle needs one count of steps, so one joinable owns the step (a "
+            "JoinableComm that keeps arrays in a Join of its own, say)")
     companions(joinables)  # a DataParallel's update= that cannot be settled raises here
     if progress(joinables) is None and any(j.needs_step_owner for j in joinables):
         raise ValueError(

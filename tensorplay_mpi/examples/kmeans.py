@@ -6,13 +6,13 @@ Run::
 
 Each rank holds a different number of points (rank ``r`` a share proportional to ``1 + r``; with
 ``--idle-rank0`` rank 0 holds none) and walks through them in mini-batches.  In iteration ``t``
-every rank that still has a batch assigns its points to the nearest centroid; one allreduce
-sums the points and counts per cluster over the active ranks, and every centroid moves to the
-running mean of all points assigned to it so far.  A rank out of batches is shadowed by
+every rank that still has a batch assigns its points to the nearest centroid; two allreduces
+add the points and counts per cluster over the active ranks into running totals, and every
+centroid is the mean of all points assigned to it so far.  A rank out of batches is shadowed by
 JoinableComm, so the result is the serial run's on all the data: in iteration ``t`` it
-processes the ``t``-th batches of all ranks together.  At the end the centroids of a rank that
-ran every iteration are broadcast (a rank that joined early holds stale ones).  Rank 0 prints
-one JSON line.
+processes the ``t``-th batches of all ranks together.  The running totals are kept arrays
+(``jc.keep``): a rank that has joined adds the same results to its own, so after the Join every
+rank holds the final centroids, with no broadcast.  Rank 0 prints one JSON line.
 """
 
 from __future__ import annotations
@@ -51,23 +51,23 @@ def cluster_sums(points: np.ndarray, centroids: np.ndarray) -> tuple[np.ndarray,
     return sums, np.bincount(nearest, minlength=len(centroids)).astype(np.int64)
 
 
-def update(centroids: np.ndarray, seen: np.ndarray, sums: np.ndarray,
-           counts: np.ndarray) -> None:
-    """Move each centroid to the running mean of every point assigned to it (in place)."""
+def means(initial: np.ndarray, sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each centroid: the mean of every point assigned to it so far, else where it started."""
+    centroids = initial.copy()
     moved = counts > 0
-    total = seen[moved] + counts[moved]
-    centroids[moved] = (centroids[moved] * seen[moved, None] + sums[moved]) / total[:, None]
-    seen[moved] = total
-
-
-def serial_kmeans(per_rank: list[list[np.ndarray]], centroids: np.ndarray) -> np.ndarray:
-    """The same iterations on one process: iteration t takes every rank's t-th batch."""
-    centroids, seen = centroids.copy(), np.zeros(len(centroids), np.int64)
-    for t in range(max(len(b) for b in per_rank)):
-        parts = [cluster_sums(b[t], centroids) for b in per_rank if t < len(b)]
-        update(centroids, seen, reduce(np.add, (p[0] for p in parts)),
-               reduce(np.add, (p[1] for p in parts)))
+    centroids[moved] = sums[moved] / counts[moved, None]
     return centroids
+
+
+def serial_kmeans(per_rank: list[list[np.ndarray]], initial: np.ndarray) -> np.ndarray:
+    """The same iterations on one process: iteration t takes every rank's t-th batch."""
+    sums, counts = np.zeros_like(initial), np.zeros(len(initial), np.int64)
+    for t in range(max(len(b) for b in per_rank)):
+        centroids = means(initial, sums, counts)
+        parts = [cluster_sums(b[t], centroids) for b in per_rank if t < len(b)]
+        sums += reduce(np.add, (p[0] for p in parts))
+        counts += reduce(np.add, (p[1] for p in parts))
+    return means(initial, sums, counts)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -83,19 +83,21 @@ def main(argv: list[str] | None = None) -> dict:
     comm = MPI.COMM_WORLD
     data = make_data(args.points, args.clusters, args.dim, args.seed)
     mine = rank_batches(data, comm.rank, comm.size, args.batch, args.idle_rank0)
-    centroids = data[:args.clusters].copy()  # every rank starts from the same points
-    seen = np.zeros(args.clusters, np.int64)
+    initial = data[:args.clusters].copy()  # every rank starts from the same points
     jc = JoinableComm(comm)
+    # The running totals, kept current on every rank (a rank that has joined too).
+    sums, counts = jc.keep(np.zeros_like(initial), np.zeros(args.clusters, np.int64))
     with Join([jc]):
         for points in mine:
             jc.begin_iteration()
-            sums, counts = cluster_sums(points, centroids)
-            update(centroids, seen, jc.allreduce(sums), jc.allreduce(counts))
-    # Ranks that ran out of batches early hold stale centroids: take those of a rank that
-    # ran every iteration (outside a Join every rank is active, so no begin_iteration).
+            batch_sums, batch_tally = cluster_sums(points, means(initial, sums, counts))
+            jc.allreduce(batch_sums, into=sums)
+            jc.allreduce(batch_tally, into=counts)
+    centroids = means(initial, sums, counts)  # the same on every rank
     batch_counts = comm.allgather(len(mine))
-    centroids = jc.bcast(centroids, root=int(np.argmax(batch_counts)))
-    report = {"ranks": comm.size, "batches": batch_counts, "centroids": centroids.tolist()}
+    identical = len(set(comm.allgather(centroids.tobytes()))) == 1
+    report = {"ranks": comm.size, "batches": batch_counts, "centroids": centroids.tolist(),
+              "identical_on_every_rank": identical}
     if comm.rank == 0:
         print(json.dumps(report))
     return report

@@ -17,12 +17,15 @@
    library's Adam, must come with the state adopted), and a rank killed after its forward pass,
    so that nobody completes the step and it is redone (BatchNorm and SyncBatchNorm: the running
    statistics the forward passes moved must be those of the last completed step).
-4. RANDOM_RUNS runs (default 6) at 3 and at 4 ranks, each with a victim, a step, a point and
+4. A JoinableComm loop that sums its batches into a kept array (``elastic_kept.py``): the
+   last active rank lost while the others have joined, or another rank: the survivors' total
+   is NumPy's sum of every batch summed before the loss (nothing reduced is lost).
+5. RANDOM_RUNS runs (default 6) at 3 and at 4 ranks, each with a victim, a step, a point and
    a pause drawn from its seed.
-5. EXIT_TRIALS runs (default 12) of a JoinableComm loop that loses rank 0, 1 or 2 before or
+6. EXIT_TRIALS runs (default 12) of a JoinableComm loop that loses rank 0, 1 or 2 before or
    after a collective and exits with status 0 or 3, MPI finalized at exit or explicitly
    (``elastic_exit_trials.py``): the launcher must exit with that status.
-6. DEMO_TRIALS trials (default 3) of the demo, ``examples.train --elastic`` at 3 ranks, one
+7. DEMO_TRIALS trials (default 3) of the demo, ``examples.train --elastic`` at 3 ranks, one
    rank SIGKILLed from outside at a random moment (``elastic_demo_trials.py``).
 
 Prints one line per run and fails on the first wrong one: wrong results, an abort, or a job
@@ -56,6 +59,11 @@ CASES = [  # (ranks, arguments of elastic_run.py after the seed)
     (3, ["--save=DIR", "1@6:save"]), (3, ["--save=DIR", "0@8:save"]),
     (4, ["--save=DIR", "--update", "2@10:save"]),
     (3, ["--validate", "1@15:validate"]), (4, ["--validate", "--jc", "0@20:validate"]),
+]
+
+KEPT_CASES = [  # (ranks, arguments of elastic_kept.py): victim, its batch, before/after
+    (3, ["2", "18", "before"]), (3, ["2", "18", "after"]), (4, ["3", "26", "after"]),
+    (3, ["1", "10", "after"]), (3, ["0", "3", "before"]),
 ]
 
 TORCH_CASES = [  # (ranks, arguments of elastic_torch.py after its directory)
@@ -121,6 +129,7 @@ def main():
                for k, (n, args) in enumerate(CASES)]
     checks += [(n, "tests/programs/elastic_torch.py", [f"{scratch}/torch{k}", *args], n - 1)
                for k, (n, args) in enumerate(TORCH_CASES)]
+    checks += [(n, "tests/programs/elastic_kept.py", args, n - 1) for n, args in KEPT_CASES]
     seeds = random.Random(int(time.time())).sample(range(10_000), random_runs)
     checks += [(n, "tests/programs/elastic_run.py", [str(s)], n - 1) for s in seeds
                for n in (3, 4)]

@@ -119,6 +119,7 @@ def test_kmeans_equals_the_serial_run_on_all_the_data(nprocs, idle_rank0):
     data = kmeans.make_data(3000, 5, 2, 2)
     per_rank = [kmeans.rank_batches(data, r, nprocs, 64, idle_rank0) for r in range(nprocs)]
     assert report["batches"] == [len(b) for b in per_rank]
+    assert report["identical_on_every_rank"]  # kept current on the ranks that joined early
     if nprocs > 1:
         assert len(set(report["batches"])) > 1 and (report["batches"][0] == 0) == idle_rank0
     expected = kmeans.serial_kmeans(per_rank, data[:5].copy())

@@ -1,0 +1,179 @@
+"""JoinableComm's kept arrays (``jc.keep``): finished ranks stay current, against NumPy.
+
+A rank that has joined applies every result the active ranks apply to a kept array (``out=``,
+``into=``), so after the Join every rank holds the same state; the expected values are
+computed here with NumPy from every rank's inputs, iteration by iteration."""
+
+import numpy as np
+import pytest
+from helpers import UNEVEN
+from mpi4py import MPI
+
+from tensorplay_mpi import SGD, CollectiveMismatchError, DataParallel, Join, JoinableComm
+from tensorplay_mpi.algorithms import elastic
+from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
+
+
+def values(rank, t, n, dtype=np.float64):
+    """Rank `rank`'s values in iteration `t`: small integers (float sums are exact), NaN-free."""
+    return ((np.arange(n) * 7 + rank * 5 + t * 3) % 11 - 4).astype(dtype)
+
+
+def kept_state():
+    """Fresh kept arrays: sums (SUM, large), maxes (MAX of 3 int64: the announcement carries
+    it), mins (MIN of 4 float32: carried as ordered keys), big (MAX of 20 float64: ordered keys
+    through an allreduce), latest and latest_big (bcast from the highest active rank, small
+    and large), last (out= of a SUM)."""
+    return {"sums": np.zeros(40), "maxes": np.full(3, -100, np.int64),
+            "mins": np.full(4, 100, np.float32), "big": np.full(20, -np.inf),
+            "latest": np.zeros(4), "latest_big": np.zeros(20), "last": np.zeros(5)}
+
+
+def iteration(jc, kept, rank, t):
+    """One iteration's operations, every result applied to a kept array."""
+    jc.allreduce(values(rank, t, 40), into=kept["sums"])
+    jc.allreduce(values(rank, t, 3, np.int64), MPI.MAX, into=kept["maxes"])
+    jc.allreduce(values(rank, t, 4, np.float32), MPI.MIN, into=kept["mins"])
+    jc.allreduce(values(rank, t, 20), MPI.MAX, into=kept["big"])
+    jc.bcast(values(rank, t, 4) + 1000 * rank, root="highest_active", out=kept["latest"])
+    jc.bcast(values(rank, t, 20) + 1000 * rank, out=kept["latest_big"])
+    jc.allreduce(values(rank, t, 5), out=kept["last"])
+
+
+def expected_state(inputs):
+    """The kept arrays after the loop, with NumPy: each iteration's active ranks' values."""
+    kept = kept_state()
+    for t in range(max(inputs, default=0)):
+        active = [r for r, n in enumerate(inputs) if n > t]
+        kept["sums"] += sum(values(r, t, 40) for r in active)
+        kept["maxes"] = np.maximum(kept["maxes"], np.max([values(r, t, 3, np.int64)
+                                                          for r in active], axis=0))
+        kept["mins"] = np.minimum(kept["mins"], np.min([values(r, t, 4, np.float32)
+                                                        for r in active], axis=0))
+        kept["big"] = np.maximum(kept["big"], np.max([values(r, t, 20) for r in active], axis=0))
+        kept["latest"] = values(active[-1], t, 4) + 1000 * active[-1]
+        kept["latest_big"] = values(active[-1], t, 20) + 1000 * active[-1]
+        kept["last"] = sum(values(r, t, 5) for r in active)
+    return kept
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", UNEVEN + ["even"])
+def test_every_rank_holds_the_final_kept_state_after_uneven_inputs(comm, pattern):
+    inputs = inputs_of(pattern, comm.size)
+    jc = JoinableComm(comm)
+    kept = kept_state()
+    jc.keep(*kept.values())
+    with Join([jc]):
+        for t in range(inputs[comm.rank]):
+            jc.begin_iteration()
+            iteration(jc, kept, comm.rank, t)
+    expected = expected_state(inputs)
+    wrong = [name for name in kept if not np.array_equal(kept[name], expected[name])]
+    applied = 7 * max(inputs, default=0)
+    ok = not wrong and jc.elastic_progress() == applied
+    assert_all(ok, f"rank {comm.rank} ({inputs[comm.rank]} of {inputs} iterations): kept "
+                   f"arrays {wrong} differ from NumPy's; {jc.elastic_progress()} results "
+                   f"applied, {applied} expected")
+
+
+@pytest.mark.mpi
+def test_kept_arrays_outside_a_join_are_plain_collectives(comm):
+    jc = JoinableComm(comm)
+    total = jc.keep(np.zeros(3))
+    for t in range(3):
+        jc.allreduce(values(comm.rank, t, 3), into=total)
+    expected = sum(values(r, t, 3) for r in range(comm.size) for t in range(3))
+    assert_all(np.array_equal(total, expected), f"rank {comm.rank}: {total} != {expected}")
+
+
+@pytest.mark.mpi
+def test_a_torch_tensor_is_kept_in_place(comm):
+    torch = pytest.importorskip("torch")
+    jc = JoinableComm(comm)
+    total = jc.keep(torch.zeros(3, dtype=torch.float64))
+    with Join([jc]):
+        for t in range(1 + comm.rank):
+            jc.begin_iteration()
+            jc.allreduce(torch.from_numpy(values(comm.rank, t, 3)), into=total)
+    inputs = [1 + r for r in range(comm.size)]
+    expected = sum(values(r, t, 3) for r in range(comm.size) for t in range(inputs[r]))
+    assert_all(np.array_equal(total.numpy(), expected), f"rank {comm.rank}: {total}")
+
+
+@pytest.mark.mpi
+def test_kept_arrays_that_differ_between_ranks_are_refused_everywhere(comm):
+    jc = JoinableComm(comm)
+    if comm.size > 1:
+        with raises_everywhere(ValueError, match="different kept arrays"):
+            jc.keep(np.zeros(3 if comm.rank == 0 else 4))
+    with raises_everywhere(ValueError, match="shares memory"):
+        shared = np.zeros(4)
+        jc.keep(shared, shared[:2])
+    with raises_everywhere(TypeError, match="keep.. needs at least one array"):
+        jc.keep()
+    total = jc.keep(np.zeros(3))
+    with Join([jc]):
+        jc.begin_iteration()
+        with raises_everywhere(RuntimeError, match="before the Join"):
+            jc.keep(np.zeros(2))
+    assert_all(jc.kept == (total,), f"rank {comm.rank}: kept {jc.kept}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_kept_array_on_some_ranks_only_raises_everywhere_and_applies_nothing(comm):
+    """One rank passes into=, the others not: the announcements differ, every rank raises
+    before any data moves, and no kept array changes (a rank that has joined included)."""
+    jc = JoinableComm(comm)
+    total = jc.keep(np.zeros(3))
+    with raises_everywhere(CollectiveMismatchError, match="every active rank announced"):
+        with Join([jc]):
+            for _ in range(1 if comm.rank == 0 else 2):  # rank 0 joins for the second
+                jc.begin_iteration()
+                x = np.ones(3)
+                jc.allreduce(x, into=total if comm.rank != 1 else None)
+    assert_all(not total.any(), f"rank {comm.rank}: kept {total} after a refused call")
+
+
+@pytest.mark.mpi
+def test_wrong_uses_of_a_kept_array_raise_on_every_rank(comm):
+    jc = JoinableComm(comm)
+    total = jc.keep(np.zeros(3))
+    with raises_everywhere(ValueError, match="into= takes an array kept"):
+        jc.allreduce(np.ones(3), into=np.zeros(3))
+    with raises_everywhere(ValueError, match="shaped and typed like the input"):
+        jc.allreduce(np.ones(3, np.float32), into=total)
+    with raises_everywhere(ValueError, match="blocking allreduce and bcast"):
+        jc.iallreduce(np.ones(3), out=total)
+    with raises_everywhere(ValueError, match="blocking allreduce and bcast"):
+        jc.ibcast(np.ones(3), out=total)
+    with raises_everywhere(ValueError, match="out= or as into="):
+        jc.allreduce(np.ones(3), out=total, into=total)
+    assert_all(not total.any(), f"rank {comm.rank}: kept {total} after refused calls")
+
+
+@pytest.mark.mpi
+def test_a_joinable_comm_that_keeps_arrays_owns_the_step_in_an_elastic_join(comm):
+    """Its kept arrays and their count are settled from the lowest rank that applied one more
+    result (what a lost rank's interrupted allreduce leaves); beside another owner of a step
+    it is refused."""
+    jc = JoinableComm(comm)
+    total = jc.keep(np.zeros(2))
+    with Join([jc], elastic=True):
+        for t in range(1 + comm.rank):
+            jc.begin_iteration()
+            jc.allreduce(values(comm.rank, t, 2), into=total)
+    before = total.copy()
+    if comm.rank % 2 == 1:  # ranks 1, 3: an interrupted allreduce completed here only
+        total += 100 * comm.rank
+        jc.elastic_state()[-1][0] += 1  # the count of results applied, the last array
+    step, root = elastic.settle(comm, [jc], 60.0)
+    ahead = comm.size > 1
+    expected = before + 100 if ahead else before
+    ok = np.array_equal(total, expected) and step == comm.size + ahead and \
+        jc.elastic_progress() == step and root == (1 if ahead else 0)
+    dp = DataParallel([np.zeros(2)], comm=comm)
+    with raises_everywhere(ValueError, match="both count the updates"):
+        Join([dp, SGD(dp.params, dp.grads, lr=1.0), jc], elastic=True)
+    assert_all(ok, f"rank {comm.rank}: settled {total} at {step} from {root}, expected "
+                   f"{expected}")
