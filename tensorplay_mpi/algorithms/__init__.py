@@ -1,5 +1,16 @@
-"""Distributed algorithms: the Join context manager for uneven inputs."""
+"""Distributed algorithms: the Join context manager for uneven inputs and the joinables built
+on it alone.
 
+``Join``, ``Joinable`` and ``JoinHook`` are the protocol (:mod:`tensorplay_mpi.algorithms.join`,
+the path of ``torch.distributed.algorithms.join``); ``JoinableComm`` wraps a communicator whose
+collectives a joined rank shadows by itself; ``GuardedJoinable`` is the base of the library's
+joinables (a communicator, a deadline for every wait, the failure guard) for your own; and
+``recover`` goes on without a lost rank that surfaced outside an elastic Join.
+"""
+
+from ._elastic import recover
+from ._guarded_joinable import GuardedJoinable
+from ._joinable_comm import JoinableComm
 from .join import Join, Joinable, JoinHook
 
-__all__ = ["Join", "Joinable", "JoinHook"]
+__all__ = ["Join", "Joinable", "JoinHook", "JoinableComm", "GuardedJoinable", "recover"]

@@ -8,7 +8,7 @@ import pytest
 from toys import AllReducer
 
 from tensorplay_mpi import SGD, Adam, DataParallel, Join, JoinableComm, ZeroRedundancyOptimizer
-from tensorplay_mpi.algorithms import elastic
+from tensorplay_mpi.algorithms import _elastic as elastic
 from tensorplay_mpi.testing import assert_all, raises_everywhere
 
 
