@@ -90,7 +90,7 @@ test-unfused: venv  ## the optimizer tests again on the NumPy rules (fused kerne
 	  MPI_TESTS="$(OPTIM_TESTS)"
 
 # The JoinableComm and Join tests once more without MPI-4 persistent collectives, as with Open
-# MPI 4 or Debian's mpi4py 3.1 (tensorplay_mpi.comm.persistent): the fallback is the nonblocking path.
+# MPI 4 or Debian's mpi4py 3.1 (docs/joinable_comm.md): the fallback is the nonblocking path.
 PERSISTENT_TESTS := tests/comm/test_joinable_comm_mpi.py \
                     tests/comm/test_joinable_comm_misuse_mpi.py tests/comm/test_persistent_mpi.py \
                     tests/join/test_join_mpi.py

@@ -31,7 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join
-from tensorplay_mpi.parallel import reducer
+from tensorplay_mpi.parallel import _reducer as reducer
 from tensorplay_mpi.settings import settings
 
 TARGETS = {"join": 1.02, "reduce": 1.10, "reduce_vs_manual": 1.10, "overlap": 0.9,

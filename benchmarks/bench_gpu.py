@@ -20,7 +20,7 @@ from bench_dp import median_time
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join
-from tensorplay_mpi.comm import buffers
+from tensorplay_mpi.comm import cuda_aware
 from tensorplay_mpi.testing import reset_settings
 
 
@@ -51,7 +51,7 @@ def main():
     host = np.ones(args.params, np.float32)
     host_s = median_time(comm, lambda: comm.Iallreduce(MPI.IN_PLACE, host, MPI.SUM).Wait(),
                          args.repeats)
-    aware, why = buffers.cuda_aware()
+    aware, why = cuda_aware()
     modes = {"staged": False} | ({"cuda_aware": True} if aware else {})
     report = {"ranks": comm.size, "params": args.params, "bytes": grad.nbytes,
               "cuda_aware_detected": aware, "why": why, "copy_round_trip_ms": copy_s * 1e3,
@@ -59,7 +59,7 @@ def main():
     for mode, use_device_pointers in modes.items():
         os.environ["TENSORPLAY_MPI_CUDA_AWARE"] = "1" if use_device_pointers else "0"
         reset_settings()  # the next cuda_aware() reads the mode just set
-        assert buffers.cuda_aware()[0] == use_device_pointers
+        assert cuda_aware()[0] == use_device_pointers
         params = [cupy.zeros(args.params, cupy.float32)]
         dp = DataParallel(params, comm=comm)
 

@@ -9,12 +9,12 @@ interleaved, on one communicator (the slowest rank's time per step):
   ``dist_sync_fn`` is plain mpi4py (``comm.allgather`` of the states), no Join (the baseline;
   it would hang on uneven shards);
 - ``tm_join``: the same metric with ``sync_options(jc)`` inside ``Join([jc])``, every rank
-  active (:func:`tensorplay_mpi.metrics.gather_all_tensors` through the JoinableComm);
+  active (:func:`tensorplay_mpi.evaluation.metrics.gather_all_tensors` through the JoinableComm);
 - ``tm_join_one_joined``: the same with rank 0 joined from the start (shadowing);
 - ``np_mpi4py``: a confusion matrix (int64) and the loss sum (float64) summed with blocking
   ``comm.Allreduce`` (the NumPy baseline);
-- ``np_join``: the same states through :func:`tensorplay_mpi.metrics.reduce_states` and the
-  JoinableComm inside ``Join([jc])``, every rank active.
+- ``np_join``: the same states through :func:`tensorplay_mpi.evaluation.metrics.reduce_states`
+  and the JoinableComm inside ``Join([jc])``, every rank active.
 
 Ratios are of medians over the repeats: ``tm_join`` and ``tm_join_one_joined`` against
 ``tm_mpi4py``, ``np_join`` against ``np_mpi4py``.
@@ -32,7 +32,7 @@ from mpi4py import MPI
 from torchmetrics.classification import MulticlassAccuracy
 
 from tensorplay_mpi import Join, JoinableComm
-from tensorplay_mpi.metrics import confusion_matrix, reduce_states, sync_options
+from tensorplay_mpi.evaluation.metrics import confusion_matrix, reduce_states, sync_options
 
 BATCH, CLASSES = 32, 10
 BASELINES = {"tm_join": "tm_mpi4py", "tm_join_one_joined": "tm_mpi4py", "np_join": "np_mpi4py"}

@@ -44,7 +44,7 @@ TARGETS = {"adam": 1.3, "adamw": 1.3, "sgd_momentum": 1.2}
 ARRAYS = {"sgd_momentum": 5, "sgd_momentum_numpy": 5}  # the others: 7
 TORCH_TARGET = 1.3  # adam / torch_adam_fused
 
-_WARM_UP = ("import time, numpy, numba; from tensorplay_mpi.optim import fused; "
+_WARM_UP = ("import time, numpy, numba; from tensorplay_mpi.optim import _fused as fused; "
             "t = time.process_time(); fused.warm_up([numpy.dtype('float32')]); "
             "print(time.process_time() - t)")
 

@@ -30,7 +30,7 @@ import numpy as np
 from bench_dp import slowest
 from mpi4py import MPI
 
-from tensorplay_mpi.comm import work as registry
+from tensorplay_mpi.comm import _work as registry
 from tensorplay_mpi.comm import iallreduce
 
 TARGET = 2.0

@@ -38,9 +38,14 @@ import numpy as np
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join, JoinableComm
-from tensorplay_mpi.algorithms import announcements, join, joinable_comm
-from tensorplay_mpi.comm import collectives, persistent, work
-from tensorplay_mpi.parallel import data_parallel, reducer
+from tensorplay_mpi.algorithms import _announcements as announcements
+from tensorplay_mpi.algorithms import _joinable_comm as joinable_comm
+from tensorplay_mpi.algorithms import join
+from tensorplay_mpi.comm import _collectives as collectives
+from tensorplay_mpi.comm import _persistent as persistent
+from tensorplay_mpi.comm import _work as work
+from tensorplay_mpi.parallel import _data_parallel as data_parallel
+from tensorplay_mpi.parallel import _reducer as reducer
 
 PIECES = 8
 

@@ -126,8 +126,8 @@ def _members(cls: type) -> list[str]:
 
 
 PUBLIC = ("tensorplay_mpi", "tensorplay_mpi.comm", "tensorplay_mpi.checkpoint",
-          "tensorplay_mpi.metrics", "tensorplay_mpi.optim", "tensorplay_mpi.parallel",
-          "tensorplay_mpi.algorithms")
+          "tensorplay_mpi.evaluation.metrics", "tensorplay_mpi.optim", "tensorplay_mpi.parallel",
+          "tensorplay_mpi.algorithms", "tensorplay_mpi.evaluation")
 """The modules users import from: a name they re-export is shown by its path there."""
 
 

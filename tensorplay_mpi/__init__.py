@@ -3,9 +3,8 @@
 from typing import TYPE_CHECKING
 
 from . import checkpoint, comm, data, optim
-from .algorithms.join import ElasticJoinable, Join, Joinable, JoinHook
-from .algorithms.joinable_comm import JoinableComm
-from .comm.collectives import Work
+from .algorithms import ElasticJoinable, Join, Joinable, JoinableComm, JoinHook
+from .comm import Work
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, EarlyTerminationError,
                      PeerFailureError, RanksLostError)
 from .optim import SGD, Adam, AdamW, ZeroRedundancyOptimizer
@@ -14,7 +13,7 @@ from .stopping import (clear_save, clear_stop, keep_stop_signals, request_save, 
                        save_requested, stop_on_signals, stop_requested)
 
 if TYPE_CHECKING:  # imported on first use (below): it needs torch
-    from .evaluation.sync_batchnorm import SyncBatchNorm
+    from .evaluation._sync_batchnorm import SyncBatchNorm
 
 __version__ = "0.1.0"
 
@@ -24,8 +23,8 @@ def __getattr__(name: str) -> object:
     ``from tensorplay_mpi import *`` does where it is installed, as it takes every name of
     ``__all__``; without torch it gets a stand-in that raises ``ImportError`` when used)."""
     if name == "SyncBatchNorm":
-        from .evaluation import sync_batchnorm_class
-        return sync_batchnorm_class()
+        from . import evaluation
+        return evaluation.SyncBatchNorm
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

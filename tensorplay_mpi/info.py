@@ -18,12 +18,12 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__
-from .comm.buffers import cuda_aware, loaded_libmpi
-from .comm.fault_tolerance import fault_tolerance
-from .process import check_launch
-from .threads import decision, limit_threads
+from .comm._buffers import cuda_aware, loaded_libmpi
+from .comm._fault_tolerance import fault_tolerance
+from ._process import check_launch
+from ._threads import decision, limit_threads
 
-__all__ = ["report", "rank_facts"]
+__all__ = ["report"]
 
 COLUMNS = ("rank", "host", "pid", "GPU", "libmpi", "MPI version", "thread level", "mpi4py",
            "BLAS (threads)", "CUDA-aware")

@@ -40,7 +40,9 @@ import warnings
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-__all__ = ["Settings", "settings", "positive_seconds", "threads_setting"]
+from ._resets import register
+
+__all__ = ["Settings", "settings"]
 
 _PREFIX = "TENSORPLAY_MPI_"
 _TRUE = ("1", "true", "yes", "on")
@@ -154,6 +156,8 @@ def settings() -> Settings:
 
 
 _warned: set[str] = set()  # unknown names already warned about
+register(settings.cache_clear, "settings")
+register(_warned.clear, "settings")
 
 
 def _warn_unknown_names() -> None:

@@ -14,9 +14,10 @@ import signal
 from types import FrameType
 from typing import Iterable, Iterator
 
+from ._resets import register
+
 __all__ = ["stop_on_signals", "keep_stop_signals", "request_stop", "stop_requested", "clear_stop",
-           "STOP_SIGNALS", "request_save", "save_requested", "clear_save",
-           "ignore_kept_signals"]
+           "request_save", "save_requested", "clear_save"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """What Slurm sends at the time limit (SIGTERM), what ``--signal`` and ``scancel --signal``
@@ -51,10 +52,12 @@ def request_save(reason: str = "request_save()") -> None:
 
     Local, like :func:`request_stop`: it only sets a flag.  The next heartbeat (or poll) of an
     enabled :class:`~tensorplay_mpi.Join` carries it; every rank, joined or not, then runs the
-    Join's ``on_save`` at one iteration boundary, and the request is withdrawn.  Several
-    requests before that save make one save.  A request that no ``on_save`` served (a Join
-    without one, or one that stopped first, where ``join.save_due`` tells the caller to save)
-    stays pending for the next Join's ``on_save``, or until :func:`clear_save`.
+    Join's ``on_save`` at one iteration boundary, and the request is withdrawn on every rank as
+    ``on_save`` starts: that save serves every request made before it (several make one save;
+    one made during ``on_save`` asks for the next save), and an ``on_save`` that raises makes it
+    pending again.  A request that no ``on_save`` served (a Join without one, or one that
+    stopped first, where ``join.save_due`` tells the caller to save) is not withdrawn: it stays
+    pending for the next Join's ``on_save``, or until :func:`clear_save`.
 
     Raises
     ------
@@ -82,6 +85,10 @@ def clear_stop() -> None:
 def clear_save() -> None:
     """Withdraw this rank's save request (a Join does it once it served the save)."""
     _pending["save"] = None
+
+
+register(clear_stop, "requests")
+register(clear_save, "requests")
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:

@@ -29,14 +29,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 from mpi4py import MPI
 
-from .comm.agreement import agree
-from .comm.work import Work, outstanding_requests
-from .process import reset_state
+from ._resets import reset_all
+from .comm._agreement import agree
+from .comm._work import Work, outstanding_requests
 from .settings import settings
 
-__all__ = ["assert_all", "raises_everywhere", "PATTERNS", "inputs_of", "active_counts",
-           "mpiexec_path", "run_mpi", "run_at_sizes", "debug_mode", "reset_settings",
-           "reset_between_tests", "reset_process_state"]
+__all__ = ["assert_all", "raises_everywhere", "PATTERNS", "inputs_of", "active_counts", "run_mpi",
+           "run_at_sizes", "debug_mode", "reset_settings", "reset_between_tests",
+           "reset_process_state"]
 
 _verdicts: MPI.Intracomm | None = None  # COMM_WORLD's private duplicate for verdicts
 _debug_by_plugin = False  # the pytest plugin turned debug mode on
@@ -47,7 +47,7 @@ def assert_all(ok: Any, detail: Any = "") -> None:
     """Fail on every rank if `ok` is false on any rank, naming those ranks and their `detail`.
 
     Collective over ``COMM_WORLD``: every rank must call it at the same point.  The verdicts
-    meet through :func:`~tensorplay_mpi.comm.agreement.agree`: a rank whose `ok` is false raises
+    meet through :func:`~tensorplay_mpi.comm._agreement.agree`: a rank whose `ok` is false raises
     ``AssertionError("rank R: DETAIL")``; the others an ``AssertionError`` naming the failed
     ranks and quoting their details.
     """
@@ -183,31 +183,33 @@ def debug_mode(enabled: bool = True) -> None:
 
 def reset_settings() -> None:
     """Make the library read its ``TENSORPLAY_MPI_*`` variables again, for a test that changed
-    them: every piece of :data:`tensorplay_mpi.process.STATE` decided from the environment
-    (scope ``"settings"``: the cached settings, the CUDA-awareness decision).  The BLAS thread
-    limit, applied once per process (:mod:`tensorplay_mpi.threads`), stays."""
-    reset_state(["settings"])
+    them: every decision made from the environment (the cached settings, the CUDA-awareness
+    decision) is forgotten.  The BLAS thread limit, applied once per process, stays."""
+    reset_all("settings")
 
 
 def reset_between_tests() -> None:
     """What a test suite resets around every test: the settings (:func:`reset_settings`) and
-    this rank's stop and save requests (scope ``"requests"`` of
-    :data:`tensorplay_mpi.process.STATE`), so that no test sees another's environment or a
+    this rank's stop and save requests, so that no test sees another's environment or a
     request it left pending."""
-    reset_state(["settings", "requests"])
+    reset_all(("settings", "requests"))
 
 
 def reset_process_state() -> None:
-    """Reset all of the library's process-wide state that can be reset (the table of
-    :data:`tensorplay_mpi.process.STATE`): settings, decisions made from them, the excepthook,
-    the stop request.  The next library call sets the process up again.
+    """Reset all of the library's process-wide state that can be reset (the state table of the
+    API reference): settings, decisions made from them, the thread decision, the excepthook,
+    the stop and save requests.  The next library call sets the process up again.
 
     Raises
     ------
     RuntimeError
-        If library operations are still pending (they cannot be dropped).
+        If library operations are still pending (they cannot be dropped); nothing is reset.
     """
-    reset_state()
+    pending = outstanding_requests()
+    if pending:
+        raise RuntimeError(f"{pending} library operation(s) still pending: complete them "
+                           "(wait on their Work, or finish the Join) before resetting")
+    reset_all()
 
 
 # -- the pytest plugin ---------------------------------------------------------------------------

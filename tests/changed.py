@@ -7,8 +7,9 @@ merge base with ``origin/HEAD`` when HEAD is ahead of it, else ``HEAD~1``), in t
 (staged or not) and untracked. The test tree mirrors the package:
 
 - ``tensorplay_mpi/X/...`` -> ``tests/X/``; a module with no folder of its name
-  (``tensorplay_mpi/X.py`` or ``tensorplay_mpi/Y/X.py``) -> ``tests/X/``, else the test files
-  named ``test_X*.py``, else those that name it by its dotted path (``tensorplay_mpi.Y.X``);
+  (``tensorplay_mpi/X.py`` or ``tensorplay_mpi/Y/X.py``, a private ``_X.py`` alike) ->
+  ``tests/X/``, else the test files named ``test_X*.py``, else those that name it by its dotted
+  path (``tensorplay_mpi.Y._X``, or ``from tensorplay_mpi.Y import _X``);
 - a test file -> itself; a launched program ``tests/programs/P.py`` -> the test files that name
   ``P.py``; a helper module ``tests/H.py`` -> the test files that import it;
 - the docs and README -> ``tests/project/test_docs.py`` (the API pages: the API tests); the
@@ -79,14 +80,15 @@ def targets_of_module(path):
     if parts[-1] == "__init__":
         parts = parts[:-1]
     for name in (parts[0], parts[-1]) if parts else ():
-        if (TESTS / name).is_dir():
-            return [f"tests/{name}/"]
+        if (TESTS / name.lstrip("_")).is_dir():
+            return [f"tests/{name.lstrip('_')}/"]
     if not parts:
         return []
-    stem = re.escape(parts[-1])
+    stem = re.escape(parts[-1].lstrip("_"))
     named = [p for p in all_test_files() if re.fullmatch(rf"test_{stem}(_.*)?\.py", Path(p).name)]
-    dotted = re.escape(".".join(("tensorplay_mpi", *parts)))
-    return named or naming(rf"\b{dotted}\b")
+    parent = re.escape(".".join(("tensorplay_mpi", *parts[:-1])))
+    name = re.escape(parts[-1])
+    return named or naming(rf"\b{parent}\.{name}\b|\bfrom {parent} import\b.*\b{name}\b")
 
 
 def targets_of(path):

@@ -30,8 +30,8 @@ from tensorplay_mpi.testing import reset_between_tests
 @pytest.fixture(autouse=True)
 def process_state_between_tests():
     """Every test starts and ends with settings read from the environment as it is then and no
-    stop or save request pending in this process (tensorplay_mpi.process.STATE's "settings" and
-    "requests" scopes)."""
+    stop or save request pending in this process (the "settings" and "requests" scopes of the
+    resets registered in tensorplay_mpi._resets)."""
     reset_between_tests()
     yield
     reset_between_tests()

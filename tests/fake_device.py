@@ -8,7 +8,7 @@ counts what the library does to it: stream synchronisations (through the patched
 
 import numpy as np
 
-from tensorplay_mpi.comm import buffers
+from tensorplay_mpi.comm import _buffers as buffers
 from tensorplay_mpi.testing import reset_settings
 
 STREAM = 0x5EED  # the fake stream every fake array says it was produced on
@@ -116,14 +116,14 @@ class FakeDeviceArray1(FakeDeviceArray):
 
 
 def use_torch_cuda_standin(monkeypatch, aware=True):
-    """Make :mod:`tensorplay_mpi.comm.torch_cuda` take fake CUDA tensors (:func:`fake_cuda`):
+    """Make :mod:`tensorplay_mpi.comm._torch_cuda` take fake CUDA tensors (:func:`fake_cuda`):
     their "CuPy" views are :class:`FakeDeviceArray` s over the same memory (a host array comes
     back as a CPU tensor, as from torch), torch's stream synchronisations and the orderings
     of the two streams are counted; the device path is CUDA-aware (`aware`) or
     staged, as :func:`use_mode`."""
     import torch
 
-    from tensorplay_mpi.comm import torch_cuda
+    from tensorplay_mpi.comm import _torch_cuda as torch_cuda
 
     def to_device_array(tensor):
         array = tensor.detach().numpy()  # the CPU memory behind the stand-in

@@ -1,6 +1,18 @@
-"""Distributed algorithms: the Join context manager for uneven inputs."""
+"""Distributed algorithms: the Join context manager for uneven inputs and the joinables built
+on it alone.
 
-from .elastic import recover
+``Join``, ``Joinable`` and ``JoinHook`` are the protocol (:mod:`tensorplay_mpi.algorithms.join`,
+the path of ``torch.distributed.algorithms.join``); ``ElasticJoinable`` is what a joinable
+implements to go on without lost ranks in ``Join(..., elastic=True)``; ``JoinableComm`` wraps a
+communicator whose collectives a joined rank shadows by itself; ``GuardedJoinable`` is the base
+of the library's joinables (a communicator, a deadline for every wait, the failure guard) for
+your own; and ``recover`` goes on without a lost rank that surfaced outside an elastic Join.
+"""
+
+from ._elastic import recover
+from ._guarded_joinable import GuardedJoinable
+from ._joinable_comm import JoinableComm
 from .join import ElasticJoinable, Join, Joinable, JoinHook
 
-__all__ = ["Join", "Joinable", "JoinHook", "ElasticJoinable", "recover"]
+__all__ = ["Join", "Joinable", "JoinHook", "ElasticJoinable", "JoinableComm", "GuardedJoinable",
+           "recover"]

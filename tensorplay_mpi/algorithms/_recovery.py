@@ -7,13 +7,13 @@ from typing import Any, Callable, Sequence
 
 from mpi4py import MPI
 
-from ..comm.fault_tolerance import fault_tolerance, is_process_failure, lost_rank_error
-from ..comm.guard import Guard
-from ..comm.shrink import agree, revoke
-from ..comm.work import complete_pending
-from ..replicas import check_replicas
+from ..comm._fault_tolerance import fault_tolerance, is_process_failure, lost_rank_error
+from ..comm._guard import Guard
+from ..comm._shrink import agree, revoke
+from ..comm._work import complete_pending
+from .._replicas import check_replicas
 from ..settings import settings
-from .elastic import check_elastic, progress, recover
+from ._elastic import check_elastic, progress, recover
 
 
 class Recovery:

@@ -6,7 +6,7 @@ all nonblocking; the documentation's "Wire protocol" page has every joinable's s
 - active rank, each iteration: every joinable's :meth:`Joinable.end_iteration` (list order),
   then ``Iallreduce([1], SUM)`` (the heartbeat), then the iteration's collectives, joinable by
   joinable in list order.  The heartbeat's higher bits carry stop and save requests
-  (:mod:`tensorplay_mpi.algorithms.requests` reads them; the Join runs ``on_save``);
+  (:mod:`tensorplay_mpi.algorithms._requests` reads them; the Join runs ``on_save``);
 - on leaving the block: every ``end_iteration`` once more, then the joined loop.  Joined rank,
   each round: ``Iallreduce([0], SUM)`` (plus the request bits) + wait gives the
   number of active ranks ``n`` (the low field); ``n == 0`` ends the loop, else every main hook
@@ -15,7 +15,7 @@ all nonblocking; the documentation's "Wire protocol" page has every joinable's s
   at one boundary: an active rank before its next heartbeat (after ``end_iteration``) or, when
   it leaves the block, before its first poll; a joined rank after that round's main hooks (after
   the post hooks when the poll said ``n == 0``); never once the Join has stopped;
-- with a stream (:mod:`tensorplay_mpi.algorithms.stream`: a joinable with ``_orders_blocks``,
+- with a stream (:mod:`tensorplay_mpi.algorithms._stream`: a joinable with ``_orders_blocks``,
   the JoinableComm), while ranks have joined: the joinables that announce their blocks
   (``_announces_blocks``) announce each one through it (:meth:`Join.announce`), and a joined
   rank runs their hooks where the stream names them, in the order the active ranks issued
@@ -34,19 +34,27 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 from mpi4py import MPI
 
-from ..comm.buffers import check_device
-from ..comm.collectives import Work, check_comm, iallreduce, resolve_timeout
+from ..comm._buffers import check_device
+from ..comm._collectives import Work, check_comm, iallreduce, resolve_timeout
 from ..errors import EarlyTerminationError
-from ..process import set_up
+from .._process import set_up
 from ._joinable import ElasticJoinable, Joinable, JoinHook, _bound_join, _check_not_forgotten
 from ._recovery import Recovery
-from .requests import Requests
-from .stream import BlockOrderer, BlockStream
+from ._requests import Requests
+from ._stream import BlockOrderer, BlockStream
 
 __all__ = ["Join", "Joinable", "JoinHook", "ElasticJoinable"]
 
+for _contract in (Joinable, JoinHook, ElasticJoinable):  # their public home, as torch's
+    _contract.__module__ = __name__
+
 SKEW_WARN_ROUNDS = 1000
 """A joined rank that shadows more rounds than this warns once about the input skew."""
+
+JOIN_CHECK = "_tensorplay_join_check"
+"""The attribute a layer sets on its parameters (SyncBatchNorm: a callable taking a Join) that
+a joinable over them (DataParallel) calls when a Join is made with it: a check between
+joinables that the Join itself does not run (not API: the library's layers set and read it)."""
 
 _running: list["Join"] = []  # the entered, enabled Joins of this process, innermost last
 _saving: list["Join"] = []  # the Joins whose on_save runs now
@@ -110,7 +118,7 @@ class Join:
     ``notify_join_context`` outside the block returns ``None``.  An exception inside the
     block propagates unchanged and no hook runs; the other ranks learn of it inside their
     next library wait and raise :class:`~tensorplay_mpi.errors.PeerFailureError` (see
-    :mod:`tensorplay_mpi.comm.guard`).
+    :mod:`tensorplay_mpi.comm._guard`).
 
     A stop request on any rank (a signal under :func:`~tensorplay_mpi.stop_on_signals`, or
     :func:`~tensorplay_mpi.request_stop`) rides in the next heartbeat: :attr:`stopped`

@@ -1,17 +1,16 @@
-"""The transport: everything that talks MPI, below the Join.
+"""The transport: the nonblocking collective wrappers under the Join, over mpi4py.
 
-Users need the collective wrappers (``tensorplay_mpi.comm.iallreduce`` and the others of
-:mod:`tensorplay_mpi.comm.collectives`), re-exported here; the rooms beside them are the
-library's own: operations and their registry (``work``), buffers and devices (``buffers``,
-``tensors``, ``torch_cuda``), failure handling (``guard``, ``agreement``, ``drain``,
-``stall``), lost ranks under ULFM (``fault_tolerance``, ``shrink``), persistent collectives
-(``persistent``) and the reductions by name (``ops``).
+Each wrapper starts one MPI operation on NumPy or CuPy arrays (torch tensors too) and returns
+its :class:`Work`, which owns the buffers until the operation completes; ``outstanding_requests``
+counts those still pending in this process.  Also here: whether device pointers may go to MPI
+(``cuda_aware``) and whether an MPI error is the report of a lost rank (``is_process_failure``,
+under a fault-tolerant launch).  The modules beside this one are the library's own (private).
 """
 
-from .collectives import (OPS, Work, check_comm, default_comm, default_timeout, iallgather,
-                           iallgatherv, iallreduce, ibcast, irecv, isend, op_name,
-                           outstanding_requests, resolve_timeout)
+from ._buffers import cuda_aware
+from ._collectives import default_comm, iallgather, iallgatherv, iallreduce, ibcast, irecv, isend
+from ._fault_tolerance import is_process_failure
+from ._work import Work, outstanding_requests
 
 __all__ = ["Work", "iallreduce", "ibcast", "iallgather", "iallgatherv", "isend", "irecv",
-           "default_comm", "default_timeout", "resolve_timeout", "check_comm",
-           "outstanding_requests", "OPS", "op_name"]
+           "default_comm", "outstanding_requests", "cuda_aware", "is_process_failure"]

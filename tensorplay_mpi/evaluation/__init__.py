@@ -1,18 +1,34 @@
-"""Evaluation over uneven shards: metric states synced over MPI (:mod:`.metrics`, also
-``tensorplay_mpi.metrics``) and ``SyncBatchNorm`` (:mod:`.sync_batchnorm`, imported on first
-use of ``tensorplay_mpi.SyncBatchNorm``: it needs torch)."""
+"""Evaluation over uneven shards: metric states synced over MPI
+(:mod:`tensorplay_mpi.evaluation.metrics`: torchmetrics' sync function, NumPy metric states)
+and ``SyncBatchNorm`` for torch models, imported on first use (it needs torch; also
+``tensorplay_mpi.SyncBatchNorm``)."""
 
 from __future__ import annotations
 
-__all__ = ["sync_batchnorm_class"]
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported on first use (below): it needs torch
+    from ._sync_batchnorm import SyncBatchNorm
+
+__all__ = ["SyncBatchNorm"]
 
 
-def sync_batchnorm_class() -> type:
-    """:class:`~tensorplay_mpi.evaluation.sync_batchnorm.SyncBatchNorm`, importing torch; where
-    torch cannot be imported, a stand-in that raises ``ImportError`` when used, so that
-    ``from tensorplay_mpi import *`` works without the torch extra."""
+def __getattr__(name: str) -> object:
+    """``SyncBatchNorm`` on first use, importing torch; where torch cannot be imported, a
+    stand-in that raises ``ImportError`` when used, so that ``from tensorplay_mpi import *``
+    works without the torch extra."""
+    if name == "SyncBatchNorm":
+        return _sync_batchnorm_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), "SyncBatchNorm"])
+
+
+def _sync_batchnorm_class() -> type:
     try:
-        from .sync_batchnorm import SyncBatchNorm
+        from ._sync_batchnorm import SyncBatchNorm
     except ImportError as error:
         return _needs_torch(error)
     return SyncBatchNorm

@@ -35,15 +35,15 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms.join import Join
-from ..algorithms.joinable_comm import JoinableComm
-from ..comm.agreement import layout_digest, same_everywhere
-from ..comm.collectives import (check_comm, default_comm, default_timeout, iallgather, iallgatherv,
-                                iallreduce)
-from ..comm.tensors import as_array, host_array, is_tensor
-from ..comm.work import Work
+from ..algorithms._joinable_comm import JoinableComm
+from ..comm._agreement import layout_digest, same_everywhere
+from ..comm._collectives import (check_comm, default_comm, default_timeout, iallgather, iallgatherv,
+                                 iallreduce)
+from ..comm._tensors import as_array, host_array, is_tensor
+from ..comm._work import Work
 
 __all__ = ["gather_all_tensors", "distributed_available", "sync_options", "SyncGroup",
-           "reduce_states", "StatesDiffer", "confusion_matrix", "group_of", "group_size"]
+           "reduce_states", "StatesDiffer", "confusion_matrix"]
 
 _DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,

@@ -4,8 +4,8 @@ Each rank evaluates its shard of the held-out set (:func:`tensorplay_mpi.data.sh
 padded, nothing dropped) batch by batch and keeps running states; they are summed over the
 ranks once, after the loop.  The accuracy and mean loss printed are therefore those of one
 process evaluating the whole held-out set: the NumPy demo sums a confusion matrix and the loss
-with :func:`tensorplay_mpi.metrics.reduce_states`, the torch demo syncs torchmetrics through
-:func:`tensorplay_mpi.metrics.gather_all_tensors`.
+with :func:`tensorplay_mpi.evaluation.metrics.reduce_states`, the torch demo syncs torchmetrics
+through :func:`tensorplay_mpi.evaluation.metrics.gather_all_tensors`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from tensorplay_mpi.data import batches, shard
-from tensorplay_mpi.metrics import confusion_matrix, reduce_states, sync_options
+from tensorplay_mpi.evaluation.metrics import confusion_matrix, reduce_states, sync_options
 
 __all__ = ["validate"]
 

@@ -43,9 +43,8 @@ from mpi4py import MPI
 
 from tensorplay_mpi import (SGD, DataParallel, Join, RanksLostError, checkpoint,
                             keep_stop_signals, request_save)
-from tensorplay_mpi.algorithms.elastic import recover
-from tensorplay_mpi.comm import iallgather, iallreduce
-from tensorplay_mpi.comm.fault_tolerance import is_process_failure
+from tensorplay_mpi.algorithms import recover
+from tensorplay_mpi.comm import iallgather, iallreduce, is_process_failure
 from tensorplay_mpi.data import Sampler, shard_sizes
 from tensorplay_mpi.examples.evaluation import validate
 

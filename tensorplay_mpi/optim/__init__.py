@@ -1,7 +1,10 @@
-"""Optimizers: local SGD, Adam, AdamW and the sharded ZeroRedundancyOptimizer (all Joinables)."""
+"""Optimizers: local SGD, Adam, AdamW and the sharded ZeroRedundancyOptimizer (all Joinables),
+gradient clipping over ranks, and the protocol a checkpoint saves an optimizer through."""
 
-from .clip import clip_grad_norm
-from .local import SGD, Adam, AdamW, Optimizer
-from .zero import ZeroRedundancyOptimizer
+from ._clip import clip_grad_norm
+from ._local import SGD, Adam, AdamW, Optimizer
+from ._protocol import OptimizerState
+from ._zero import ZeroRedundancyOptimizer
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "ZeroRedundancyOptimizer", "clip_grad_norm"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "ZeroRedundancyOptimizer", "clip_grad_norm",
+           "OptimizerState"]

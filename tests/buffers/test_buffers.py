@@ -9,7 +9,7 @@ from fake_device import Counters, FakeDeviceArray, on_device, use_mode
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel
-from tensorplay_mpi.comm import buffers
+from tensorplay_mpi.comm import _buffers as buffers
 from tensorplay_mpi.comm import iallreduce, ibcast
 from tensorplay_mpi.testing import reset_settings
 
@@ -40,10 +40,9 @@ print("then", tried)
 @pytest.mark.parametrize("module", ["cupy", "torch"])
 def test_importing_the_library_never_tries_to_import_cupy_or_torch(module):
     """Import attempts are recorded, so this fails whether the module is installed or not."""
-    # sync_batchnorm subclasses a torch module: torch-only by design, imported on first use of
-    # tensorplay_mpi.SyncBatchNorm (the test below), as is its old path, which re-exports it
-    skipped = {"tensorplay_mpi.evaluation.sync_batchnorm",
-               "tensorplay_mpi.sync_batchnorm"} if module == "torch" else set()
+    # _sync_batchnorm subclasses a torch module: torch-only by design, imported on first use of
+    # tensorplay_mpi.SyncBatchNorm (the test below)
+    skipped = {"tensorplay_mpi.evaluation._sync_batchnorm"} if module == "torch" else set()
     program = RECORD_IMPORTS.replace("MODULE", module).replace("NOT_RECORDED", repr(skipped))
     result = subprocess.run([sys.executable, "-c", program],
                             capture_output=True, text=True, timeout=60)
@@ -65,7 +64,7 @@ def test_sync_batchnorm_is_imported_only_on_first_use():
     pytest.importorskip("torch")
     assert _printed_by(
         "import sys, tensorplay_mpi\n"
-        "print(sorted(m for m in ('torch', 'tensorplay_mpi.evaluation.sync_batchnorm') "
+        "print(sorted(m for m in ('torch', 'tensorplay_mpi.evaluation._sync_batchnorm') "
         "if m in sys.modules))\n"
         "import torch\n"
         "print(issubclass(tensorplay_mpi.SyncBatchNorm, torch.nn.Module))\n") == ["[]", "True"]

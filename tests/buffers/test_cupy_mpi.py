@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from tensorplay_mpi import (SGD, Adam, AdamW, DataParallel, Join, JoinableComm,
                             ZeroRedundancyOptimizer)
-from tensorplay_mpi.comm import buffers
+from tensorplay_mpi.comm import _buffers as buffers
 from tensorplay_mpi.testing import assert_all, inputs_of, reset_settings
 
 cupy = pytest.importorskip("cupy")

@@ -8,8 +8,8 @@ from mpi4py import MPI
 from fake_device import (Counters, FakeCuda, FakeDeviceArray, TorchCounters, fake_cuda,
                          use_torch_cuda_standin)
 
-from tensorplay_mpi.comm import iallreduce, torch_cuda
-from tensorplay_mpi.comm.tensors import as_array, host_array, like
+from tensorplay_mpi.comm import iallreduce, _torch_cuda as torch_cuda
+from tensorplay_mpi.comm._tensors import as_array, host_array, like
 
 torch = pytest.importorskip("torch")
 

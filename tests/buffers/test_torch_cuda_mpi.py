@@ -14,7 +14,7 @@ from helpers import gathered_equal
 
 from tensorplay_mpi import (Adam, DataParallel, Join, JoinableComm, ZeroRedundancyOptimizer,
                             checkpoint)
-from tensorplay_mpi.comm import torch_cuda
+from tensorplay_mpi.comm import _torch_cuda as torch_cuda
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere, reset_settings
 
 torch = pytest.importorskip("torch")
@@ -22,8 +22,8 @@ torch = pytest.importorskip("torch")
 from torch_reference import (Branchy, adamw_onecycle_clip, arrays, close, loss_of,  # noqa: E402
                              same_everywhere, serial)
 
-from tensorplay_mpi.checkpoint import torch_state  # noqa: E402
-from tensorplay_mpi.evaluation.sync_batchnorm import SyncBatchNorm  # noqa: E402
+from tensorplay_mpi.checkpoint import _torch_state as torch_state  # noqa: E402
+from tensorplay_mpi.evaluation._sync_batchnorm import SyncBatchNorm  # noqa: E402
 
 
 def _has_cuda():

@@ -6,7 +6,7 @@ from mpi4py import MPI
 
 from tensorplay_mpi import Adam, DataParallel, JoinableComm
 from tensorplay_mpi.comm import iallreduce, ibcast
-from tensorplay_mpi.comm.tensors import as_array, like
+from tensorplay_mpi.comm._tensors import as_array, like
 
 torch = pytest.importorskip("torch")
 

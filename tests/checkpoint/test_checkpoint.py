@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from tensorplay_mpi import SGD, Adam, AdamW, checkpoint
-from tensorplay_mpi.checkpoint import store
+from tensorplay_mpi.checkpoint import _store as store
 
 SELF = MPI.COMM_SELF
 

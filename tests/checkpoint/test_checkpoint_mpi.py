@@ -8,7 +8,7 @@ from helpers import gathered_equal
 from linear import gradient, initial_params, make_problem, rank_batches
 
 from tensorplay_mpi import Adam, DataParallel, Join, ZeroRedundancyOptimizer, checkpoint
-from tensorplay_mpi.checkpoint import PerRank, rng_state, set_rng_state, store
+from tensorplay_mpi.checkpoint import PerRank, rng_state, set_rng_state, _store as store
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 

@@ -501,7 +501,7 @@ def test_a_torch_model_optimizer_and_scheduler_resume_as_serial_torch(comm, tmp_
 def test_either_form_reads_the_other_s_checkpoint(comm, tmp_path):
     """An array-form checkpoint (extras written by torch_state and sampler.state()) loads into
     providers, and a provider-form one into arrays: the same format."""
-    from tensorplay_mpi.checkpoint import torch_state
+    from tensorplay_mpi.checkpoint import _torch_state as torch_state
 
     directory = shared_dir(comm, tmp_path)
     objects = run(comm, "adam")

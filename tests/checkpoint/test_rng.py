@@ -1,4 +1,4 @@
-"""tensorplay_mpi.checkpoint.rng: a generator's state as a plain array, through a checkpoint,
+"""tensorplay_mpi.checkpoint._rng: a generator's state as a plain array, through a checkpoint,
 exactly (each rank's own, as a PerRank value: tests/checkpoint/test_checkpoint_mpi.py at
 several ranks)."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from tensorplay_mpi import checkpoint
 from tensorplay_mpi.checkpoint import PerRank
-from tensorplay_mpi.checkpoint.rng import rng_state, set_rng_state
+from tensorplay_mpi.checkpoint._rng import rng_state, set_rng_state
 
 NUMPY_GENERATORS = {
     "Generator(PCG64)": lambda: np.random.default_rng(5),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tensorplay_mpi import SGD, Adam, DataParallel, ZeroRedundancyOptimizer, checkpoint
-from tensorplay_mpi.checkpoint import store
+from tensorplay_mpi.checkpoint import _store as store
 from tensorplay_mpi.testing import assert_all
 
 SHAPES = [(4,), (3, 3), (5,)]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tensorplay_mpi import checkpoint
-from tensorplay_mpi.checkpoint import torch_state
+from tensorplay_mpi.checkpoint import _torch_state as torch_state
 
 torch = pytest.importorskip("torch")
 

@@ -5,7 +5,7 @@ import pytest
 from mpi4py import MPI
 
 from tensorplay_mpi.comm import iallgather, iallreduce, ibcast, outstanding_requests
-from tensorplay_mpi.comm.work import progress_pending
+from tensorplay_mpi.comm._work import progress_pending
 
 
 @pytest.mark.parametrize("start, name", [

@@ -10,7 +10,7 @@ from helpers import UNEVEN
 from mpi4py import MPI
 
 from tensorplay_mpi import SGD, CollectiveMismatchError, DataParallel, Join, JoinableComm
-from tensorplay_mpi.algorithms import elastic
+from tensorplay_mpi.algorithms import _elastic as elastic
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 

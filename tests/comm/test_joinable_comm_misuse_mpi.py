@@ -8,7 +8,7 @@ from mpi4py import MPI
 from toys import AllReducer
 
 from tensorplay_mpi import CollectiveMismatchError, Join, JoinableComm
-from tensorplay_mpi.algorithms.announcements import SLOTS, decode, digest
+from tensorplay_mpi.algorithms._announcements import SLOTS, decode, digest
 from tensorplay_mpi.testing import assert_all, raises_everywhere, reset_settings, run_mpi
 
 PROGRAM = str(PROGRAMS / "jc_misuse.py")

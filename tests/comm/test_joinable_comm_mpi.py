@@ -9,8 +9,8 @@ from helpers import UNEVEN
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join, JoinableComm, Work
-from tensorplay_mpi.algorithms.announcements import (float_keys, float_values, from_order_keys,
-                                                     identity, order_keys)
+from tensorplay_mpi.algorithms._announcements import (float_keys, float_values, from_order_keys,
+                                                      identity, order_keys)
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 NUMPY_OPS = {"SUM": np.add, "PROD": np.multiply, "MAX": np.maximum, "MIN": np.minimum,

@@ -7,7 +7,7 @@ from helpers import HostSubclass
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join, JoinableComm
-from tensorplay_mpi.comm import persistent
+from tensorplay_mpi.comm import _persistent as persistent
 from tensorplay_mpi.errors import CollectiveMismatchError
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere, reset_settings
 

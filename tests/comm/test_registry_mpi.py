@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from tensorplay_mpi.comm import iallreduce
-from tensorplay_mpi.comm import work as registry
+from tensorplay_mpi.comm import _work as registry
 from tensorplay_mpi.testing import assert_all
 
 OPS = 12_000  # about a second at 2 ranks here; the 30,000 case is benchmarks/bench_registry.py

@@ -11,7 +11,7 @@ import pytest
 from helpers import PROGRAMS, results
 
 from tensorplay_mpi import Join, JoinableComm
-from tensorplay_mpi.metrics import SyncGroup, gather_all_tensors, sync_options
+from tensorplay_mpi.evaluation.metrics import SyncGroup, gather_all_tensors, sync_options
 from tensorplay_mpi.testing import assert_all, raises_everywhere, run_mpi
 
 torch = pytest.importorskip("torch")

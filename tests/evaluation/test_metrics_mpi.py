@@ -12,8 +12,8 @@ from mpi4py import MPI
 
 from tensorplay_mpi import Join, JoinableComm
 from tensorplay_mpi.data import batches, shard
-from tensorplay_mpi.metrics import (confusion_matrix, distributed_available, gather_all_tensors,
-                                    reduce_states, sync_options)
+from tensorplay_mpi.evaluation.metrics import (confusion_matrix, distributed_available,
+                                               gather_all_tensors, reduce_states, sync_options)
 from tensorplay_mpi.testing import assert_all, raises_everywhere
 
 N, CLASSES, BATCH = 53, 5, 4
@@ -232,7 +232,7 @@ def test_a_copied_metric_or_model_shares_the_joinable_comm(comm):
     pytest.importorskip("torchmetrics")
     from torchmetrics import MeanSquaredError
 
-    from tensorplay_mpi.evaluation.sync_batchnorm import SyncBatchNorm
+    from tensorplay_mpi.evaluation._sync_batchnorm import SyncBatchNorm
 
     jc = JoinableComm(comm)
     metric = MeanSquaredError(**sync_options(jc)).clone()

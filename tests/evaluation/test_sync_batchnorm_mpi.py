@@ -14,7 +14,7 @@ from tensorplay_mpi import DataParallel, Join, JoinableComm
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 torch = pytest.importorskip("torch")
-from tensorplay_mpi.evaluation.sync_batchnorm import SyncBatchNorm  # noqa: E402  (needs torch)
+from tensorplay_mpi.evaluation._sync_batchnorm import SyncBatchNorm  # noqa: E402  (needs torch)
 
 PATTERNS = ["three_plus_rank", "rank0_zero", "last_zero", "even"]
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tensorplay_mpi.comm.agreement import KINDS, agree, kind_code
+from tensorplay_mpi.comm._agreement import KINDS, agree, kind_code
 from tensorplay_mpi.comm import iallgather
 from tensorplay_mpi.errors import CollectiveMismatchError
 from tensorplay_mpi.testing import assert_all

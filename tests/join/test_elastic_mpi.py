@@ -10,7 +10,7 @@ from toys import AllReducer
 
 from tensorplay_mpi import (SGD, Adam, DataParallel, ElasticJoinable, Join, JoinableComm, JoinHook,
                             ZeroRedundancyOptimizer)
-from tensorplay_mpi.algorithms import elastic
+from tensorplay_mpi.algorithms import _elastic as elastic
 from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.testing import assert_all, raises_everywhere
 

@@ -15,7 +15,7 @@ from tensorplay_mpi import (CollectiveMismatchError, DataParallel, Join, Joinabl
                             PeerFailureError)
 from tensorplay_mpi.comm import iallreduce, outstanding_requests
 from tensorplay_mpi.testing import active_counts, assert_all, raises_everywhere, reset_settings
-from tensorplay_mpi.comm.work import progress_pending
+from tensorplay_mpi.comm._work import progress_pending
 
 
 @pytest.mark.mpi(min_size=4)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tensorplay_mpi import SGD, DataParallel, Join
-from tensorplay_mpi.comm.guard import Guard
+from tensorplay_mpi.comm._guard import Guard
 from tensorplay_mpi.testing import assert_all, raises_everywhere
 
 

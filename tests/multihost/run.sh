@@ -128,7 +128,7 @@ demo() {  # demo MODULE MPIEXEC RANKS ARGS...: run it, check its last lines, pri
 echo "== the launch check on each host: singletons that the environment says are a job"
 cat > "$WORK/launch_check.py" << EOF
 import sys
-from tensorplay_mpi.process import launch_problem
+from tensorplay_mpi._process import launch_problem
 sys.exit(0 if "PMI_SIZE=2" in (launch_problem() or "") else 1)
 EOF
 for i in $(seq 1 "$HOSTS"); do  # as with ssh, the command is one string for the host's shell

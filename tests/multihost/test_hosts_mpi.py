@@ -8,9 +8,9 @@ import os
 import pytest
 from mpi4py import MPI
 
-from tensorplay_mpi import info, threads
+from tensorplay_mpi import info, _threads as threads
 from tensorplay_mpi.examples.train import node_local_rank
-from tensorplay_mpi.process import launch_problem
+from tensorplay_mpi._process import launch_problem
 from tensorplay_mpi.testing import assert_all
 
 HOSTS = os.environ.get("TP_TEST_HOSTS", "").split(",")

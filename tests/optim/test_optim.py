@@ -10,8 +10,8 @@ import pytest
 from textbook import HYPER, optimizer, step
 
 from tensorplay_mpi import DataParallel, Join
-from tensorplay_mpi.optim import SGD, Adam, AdamW, clip_grad_norm, rules
-from tensorplay_mpi.optim.zero import partition
+from tensorplay_mpi.optim import SGD, Adam, AdamW, clip_grad_norm, _rules as rules
+from tensorplay_mpi.optim._zero import partition
 from tensorplay_mpi.testing import reset_process_state
 
 STEPS = 4
@@ -401,7 +401,7 @@ def test_fused_kernels_equal_the_numpy_rules_bitwise(fused_setting, kind, dtype)
 @pytest.mark.parametrize("value, expected", [("1", True), ("auto", True), ("0", False)])
 def test_the_fused_setting_chooses_the_kernels(fused_setting, monkeypatch, value, expected):
     pytest.importorskip("numba")
-    from tensorplay_mpi.optim import fused
+    from tensorplay_mpi.optim import _fused as fused
     fused_setting(value)
     params = [np.ones(3, np.float32), np.ones(2, np.float16)]  # float16: always NumPy
     adam = Adam(params, [np.ones_like(p) for p in params])
@@ -416,9 +416,9 @@ def test_fused_required_without_numba_is_a_runtime_error(fused_setting, monkeypa
     import tensorplay_mpi.optim
     try:
         with monkeypatch.context() as patch:
-            patch.setitem(sys.modules, "tensorplay_mpi.optim.fused", None)  # cannot be imported
-            patch.delattr(tensorplay_mpi.optim, "fused", raising=False)
-            reset_process_state()  # the import is tried again (process.STATE)
+            patch.setitem(sys.modules, "tensorplay_mpi.optim._fused", None)  # cannot be imported
+            patch.delattr(tensorplay_mpi.optim, "_fused", raising=False)
+            reset_process_state()  # the import is tried again (its registered reset)
             fused_setting("1")
             with pytest.raises(RuntimeError, match=r"TENSORPLAY_MPI_FUSED=1 but numba .*\[fused\]"):
                 SGD([np.ones(2)], [np.ones(2)], lr=0.1)

@@ -254,7 +254,7 @@ def test_params_sharing_memory_are_refused_on_every_rank(comm, case, where):
 
 @pytest.mark.mpi
 def test_a_step_broadcasts_once_per_owner_for_small_params(comm, monkeypatch):
-    from tensorplay_mpi.optim import zero as zero_module
+    from tensorplay_mpi.optim import _zero as zero_module
     params = [np.ones(10, np.float32) for _ in range(200)] + [np.ones(300_000, np.float32)]
     opt = ZeroRedundancyOptimizer(params, [np.ones_like(p) for p in params], SGD, comm=comm,
                                   lr=0.1)

@@ -8,7 +8,7 @@ from toys import AllReducer
 
 from tensorplay_mpi import DataParallel, Join
 from tensorplay_mpi.comm import outstanding_requests
-from tensorplay_mpi.parallel.buckets import make_buckets
+from tensorplay_mpi.parallel._buckets import make_buckets
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tensorplay_mpi import SGD, Adam, DataParallel, Join, ZeroRedundancyOptimizer
-from tensorplay_mpi.parallel.gradient_link import GradientViews
+from tensorplay_mpi.parallel._gradient_link import GradientViews
 
 
 def test_dp_grads_carry_their_dataparallel_and_a_list_of_them_carries_nothing():

@@ -11,7 +11,7 @@ from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 torch = pytest.importorskip("torch")
 from torch_reference import Branchy, arrays, close, same_everywhere  # noqa: E402
 
-from tensorplay_mpi.evaluation.sync_batchnorm import SyncBatchNorm  # noqa: E402  (needs torch)
+from tensorplay_mpi.evaluation._sync_batchnorm import SyncBatchNorm  # noqa: E402  (needs torch)
 
 
 def batch(rank, t):

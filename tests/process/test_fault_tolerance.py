@@ -2,7 +2,7 @@
 
 import pytest
 
-from tensorplay_mpi.comm.fault_tolerance import fault_tolerance
+from tensorplay_mpi.comm._fault_tolerance import fault_tolerance
 
 
 @pytest.mark.parametrize("vendor, environ, expected, why", [

@@ -8,12 +8,14 @@ from helpers import PROGRAMS, results
 from mpi4py import MPI
 
 from tensorplay_mpi import SGD, request_save, request_stop, save_requested, stop_requested
+from tensorplay_mpi import _resets
+from tensorplay_mpi._process import set_up
+from tensorplay_mpi._resets import register, reset_all
+from tensorplay_mpi._threads import decision, limit_threads
 from tensorplay_mpi.comm import iallreduce
-from tensorplay_mpi.process import reset_state, set_up
 from tensorplay_mpi.settings import settings
 from tensorplay_mpi.testing import (reset_between_tests, reset_process_state, reset_settings,
                                     run_mpi)
-from tensorplay_mpi.threads import decision, limit_threads
 
 
 def test_reset_process_state_makes_the_next_call_decide_again(monkeypatch):
@@ -93,13 +95,35 @@ def test_the_scopes_reset_only_their_own_state(monkeypatch):
                                             (None, TypeError)])
 def test_an_unknown_scope_is_refused(scopes, error):
     with pytest.raises(error):
-        reset_state(scopes)
+        reset_all(scopes)
 
 
 def test_one_scope_may_be_named_alone():
     request_stop("test")
-    reset_state("requests")
+    reset_all("requests")
     assert stop_requested() is None
+
+
+_cleared = []
+
+
+def _clear_test_state():
+    _cleared.append(True)
+
+
+def test_a_reset_registers_itself_under_its_module_and_name(monkeypatch):
+    monkeypatch.setattr(_resets, "_registered", list(_resets.registered()))
+    register(_clear_test_state, "requests")
+    register(_cleared.clear, "settings")
+    *_, first, second = _resets.registered()
+    assert (first.module, first.name, first.scope) == (__name__, "_clear_test_state", "requests")
+    assert (second.module, second.name, second.scope) == (__name__, "_cleared.clear", "settings")
+    reset_all("requests")
+    assert _cleared == [True]
+    reset_all("settings")
+    assert _cleared == []
+    with pytest.raises(ValueError, match="unknown scope"):
+        register(_clear_test_state, "everything")
 
 
 # -- how a job ends: one clear message per rank -------------------------------------------------

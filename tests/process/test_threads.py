@@ -6,7 +6,7 @@ import pytest
 
 from tensorplay_mpi.testing import run_mpi
 from tensorplay_mpi.settings import threads_setting
-from tensorplay_mpi.threads import choose
+from tensorplay_mpi._threads import choose
 
 NO_CHOICE = {"OMP_NUM_THREADS": None, "OPENBLAS_NUM_THREADS": None, "MKL_NUM_THREADS": None,
              "TENSORPLAY_MPI_THREADS": None}

@@ -20,7 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from tensorplay_mpi import SGD, DataParallel, Join, JoinableComm
-from tensorplay_mpi.comm.guard import Guard
+from tensorplay_mpi.comm._guard import Guard
 
 world = MPI.COMM_WORLD
 comm = world.Dup()

@@ -18,7 +18,7 @@ from report import report
 from torchmetrics.classification import MulticlassAccuracy
 
 from tensorplay_mpi import Join, JoinableComm
-from tensorplay_mpi.metrics import sync_options
+from tensorplay_mpi.evaluation.metrics import sync_options
 
 world = MPI.COMM_WORLD
 jc = JoinableComm(world)

@@ -16,7 +16,7 @@ from report import report
 
 from tensorplay_mpi import JoinableComm
 from tensorplay_mpi.comm import iallreduce, outstanding_requests
-from tensorplay_mpi.comm.work import progress_pending
+from tensorplay_mpi.comm._work import progress_pending
 
 
 

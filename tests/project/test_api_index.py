@@ -1,16 +1,19 @@
-"""docs/api/index.md against the code: the layout table lists every module on disk, bottom up
-(each imports only those in its row or above), and the state table every module that holds
-process-wide state."""
+"""docs/api/index.md against the code: the facade's table lists its ``__all__``; the layout
+table lists every module on disk, bottom up (each imports only those in its row or above), a
+public module alone in its row and the private ones by folder; the state table lists every
+module that holds process-wide state, and its resets are those the modules register."""
 
 import ast
 import importlib
+import pkgutil
 import re
 from pathlib import Path
 
 import pytest
 from helpers import ROOT
 
-from tensorplay_mpi.process import STATE
+import tensorplay_mpi
+from tensorplay_mpi import _resets
 
 PACKAGE = ROOT / "tensorplay_mpi"
 INDEX = ROOT / "docs" / "api" / "index.md"
@@ -30,13 +33,18 @@ def _table(heading_text, first_header):
 
 
 def _modules():
-    """Every module of the package, as its path below tensorplay_mpi/ (``algorithms/join.py``);
-    a subpackage's ``__init__.py`` (re-exports) only where a row names it or a folder row
-    covers it."""
-    paths = (str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
-    named = {name for names in _layout_rows() for name in names}
-    return sorted(p for p in paths if "/" not in p or not p.endswith("/__init__.py")
-                  or p in named or (PACKAGE / p).parent.name + "/" in named)
+    """Every module of the package, as its path below tensorplay_mpi/ (``algorithms/join.py``),
+    each folder's ``__init__.py`` (its public face) included."""
+    return sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
+
+
+def _private(module):
+    """Whether `module` (a path below tensorplay_mpi/) is private: a part of it starts with
+    ``_``, but a package's ``__init__.py``, which stands for its folder."""
+    parts = Path(module).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return any(part.startswith("_") for part in parts)
 
 
 def _row_of(module, rows):
@@ -49,7 +57,40 @@ def _row_of(module, rows):
 
 
 def _layout_rows():
-    return [re.findall(r"`([^`]+)`", row[0]) for row in _table(None, "module")]
+    return [re.findall(r"`([^`]+)`", row[0]) for row in _table("## The layers", "module")]
+
+
+def test_the_facade_table_lists_the_facade_s_names():
+    listed = {name for row in _table("## The facade", "names")
+              for name in re.findall(r"`([^`]+)`", row[0])}
+    assert listed == set(tensorplay_mpi.__all__)
+
+
+def test_a_row_is_one_public_module_or_the_private_modules_of_one_folder():
+    wrong = []
+    for names in _layout_rows():
+        private = [name for name in names if not name.endswith("/") and _private(name)]
+        if private and (len(private) != len(names)
+                        or len({str(Path(name).parent) for name in names}) != 1):
+            wrong.append(names)  # private modules of one folder only
+        elif not private and len(names) != 1:
+            wrong.append(names)  # a public module alone
+    assert not wrong, f"rows of the layout table that mix modules: {wrong}"
+
+
+def test_a_private_module_carries_no_all_and_a_public_one_does():
+    """The names of a private module are not API: no ``__all__`` says otherwise; a public
+    module lists what users call (examples aside: programs to run)."""
+    wrong = [module for module in _modules() if not module.startswith("examples/")
+             and ("__all__" in _assigned(module)) == _private(module)]
+    assert not wrong, f"private modules with an __all__, or public ones without: {wrong}"
+
+
+def _assigned(module):
+    """The names `module` assigns at its top level."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    return {ast.unparse(target) for node in tree.body if isinstance(node, ast.Assign)
+            for target in node.targets}
 
 
 def test_every_module_on_disk_has_a_row_and_every_row_a_module():
@@ -64,7 +105,7 @@ def test_every_module_on_disk_has_a_row_and_every_row_a_module():
 
 def _runtime_nodes(tree):
     """Every node of `tree` but those under ``if TYPE_CHECKING:`` (annotations only: a
-    module may name a type of a row below it, as ``algorithms/requests.py`` names ``Join``)."""
+    module may name a type of a row below it, as ``algorithms/_requests.py`` names ``Join``)."""
     stack = [tree]
     while stack:
         node = stack.pop()
@@ -187,19 +228,49 @@ def test_a_module_that_holds_process_wide_state_is_in_the_state_table(module):
             "docs/api/index.md")
 
 
-def test_the_state_table_is_the_code_s_table_of_process_wide_state():
-    rows = _table("## Process-wide state", "state")
-    shown = [(what, module.strip("`"), reset) for what, module, _, reset in rows]
-    expected = [(state.what, state.module,
-                 f"`{state.reset.replace('tensorplay_mpi.', '').replace(':', '.')}()`"
-                 if state.reset else f"— ({state.why})") for state in STATE]
-    assert shown == expected
+def _every_module_imported():
+    """Every module of the package imported (examples aside; a torch-only one where torch
+    imports), so that each has registered its resets."""
+    for info in pkgutil.walk_packages(tensorplay_mpi.__path__, "tensorplay_mpi."):
+        if ".examples" not in info.name:
+            try:
+                importlib.import_module(info.name)
+            except ImportError:
+                pass  # an optional extra (torch): its module holds nothing to reset
 
 
-@pytest.mark.parametrize("reset", [state.reset for state in STATE if state.reset])
-def test_every_reset_of_the_state_table_is_a_function(reset):
-    module, _, path = reset.partition(":")
-    target = importlib.import_module(module)
-    for name in path.split("."):
-        target = getattr(target, name)
-    assert callable(target)
+def _path_of(module_name):
+    """``tensorplay_mpi.comm._buffers`` -> ``comm/_buffers.py``."""
+    parts = module_name.split(".")[1:]
+    return _file(parts) if parts else "__init__.py"
+
+
+def test_the_state_table_s_resets_are_those_the_modules_register():
+    """A module that forgets to register a reset the table promises, or registers one the
+    table does not show, fails here."""
+    _every_module_imported()
+    shown = sorted((module.strip("`"), reset) for _, module, _, reset in
+                   _table("## Process-wide state", "state") if not reset.startswith("—"))
+    registered = sorted((_path_of(entry.module),
+                         f"`{entry.module.removeprefix('tensorplay_mpi.')}.{entry.name}()`")
+                        for entry in _resets.registered())
+    assert shown == registered
+
+
+@pytest.mark.parametrize("module", [m for m in _modules() if not m.startswith("examples/")])
+def test_every_cached_function_registers_its_reset(module):
+    """A decision cached for the process (``lru_cache``) must be resettable by the testing
+    helpers: its module registers ``cache_clear`` at import."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    cached = [node.name for node in ast.walk(tree)
+              if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+              and any("cache" in ast.unparse(d) for d in node.decorator_list)]
+    if not cached:
+        return
+    _every_module_imported()
+    name = ".".join(Path(module).with_suffix("").parts).removesuffix(".__init__")
+    names = {entry.name for entry in _resets.registered()
+             if entry.module == f"tensorplay_mpi.{name}"}
+    missing = [f for f in cached if f"{f}.cache_clear" not in names]
+    assert not missing, f"{module}: cached without a registered reset: {missing}"
+

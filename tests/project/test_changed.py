@@ -5,9 +5,10 @@ from changed import simplest, targets_of
 
 
 @pytest.mark.parametrize("path, tests", [
-    ("tensorplay_mpi/comm/collectives.py", ["tests/comm/"]),  # the folder of its package
+    ("tensorplay_mpi/comm/_collectives.py", ["tests/comm/"]),  # the folder of its package
     ("tensorplay_mpi/comm/__init__.py", ["tests/comm/"]),
-    ("tensorplay_mpi/process.py", ["tests/process/"]),  # a root module with a folder
+    ("tensorplay_mpi/_process.py", ["tests/process/"]),  # a root module with a folder
+    ("tensorplay_mpi/_threads.py", ["tests/process/test_threads.py"]),  # private: its name
     ("tensorplay_mpi/info.py", ["tests/process/test_info.py"]),  # test files of its name
     ("tests/join/test_join.py", ["tests/join/test_join.py"]),  # a test file: itself
     ("docs/stopping.md", ["tests/project/test_docs.py"]),
@@ -26,6 +27,12 @@ def test_a_module_without_a_folder_of_its_name_maps_to_the_tests_that_name_it():
     tests = targets_of("tensorplay_mpi/examples/train_torch.py")
     assert "tests/project/test_examples.py" in tests
     assert all(path.startswith("tests/") and "/test_" in path for path in tests)
+
+
+def test_a_private_module_without_a_folder_maps_to_the_tests_that_import_it():
+    tests = targets_of("tensorplay_mpi/_resets.py")
+    assert "tests/process/test_process.py" in tests  # from tensorplay_mpi._resets import ...
+    assert "tests/project/test_api_index.py" in tests  # from tensorplay_mpi import _resets
 
 
 def test_a_folder_takes_the_place_of_its_files():

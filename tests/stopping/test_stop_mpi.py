@@ -11,7 +11,7 @@ from helpers import gathered_equal
 from tensorplay_mpi import (SGD, DataParallel, Join, clear_stop, request_stop, stop_on_signals,
                             stop_requested)
 from tensorplay_mpi.comm import outstanding_requests
-from tensorplay_mpi.comm.guard import Guard
+from tensorplay_mpi.comm._guard import Guard
 from tensorplay_mpi.testing import assert_all, reset_settings
 
 

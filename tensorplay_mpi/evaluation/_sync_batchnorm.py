@@ -1,0 +1,374 @@
+"""SyncBatchNorm for torch models over MPI: batch statistics of every active rank's batch.
+
+``tensorplay_mpi.SyncBatchNorm`` (this module, imported on first use: ``import
+tensorplay_mpi`` does not import torch) is ``torch.nn.SyncBatchNorm`` over MPI for CPU
+and CUDA tensors.  In training mode each forward pass reduces, over the ranks of its group, the
+per-channel sums of the batch and of its squares (float64) and the number of samples with the
+``micro_batches`` of the step in progress (int64), two allreduces started together; the
+backward pass reduces the sums of the output gradient and of its product with the centred
+input (float64).  Normalisation, running statistics and the gradients are then those of
+``torch.nn.BatchNorm*`` over the concatenated global batch.
+
+In a Join the group is a :class:`~tensorplay_mpi.JoinableComm` that is in the Join
+(``SyncBatchNorm.convert_sync_batchnorm(model, jc)``): every reduction is one of its
+operations, so a rank that has joined shadows it and contributes zero samples.  Layers with the
+same group share the JoinableComm's iteration.  With a DataParallel first in the Join
+(``Join([dp, jc])``, ``Join([dp, opt, jc])``) its heartbeat starts the iteration: run the
+forward pass inside ``with dp.step():``, no ``jc.begin_iteration()`` needed.  While ranks have
+joined, the statistics, DataParallel's step and the optimizers' steps travel in one announced
+stream, in the order the active ranks issue them.  A layer that reduces over a plain
+communicator cannot be shadowed: a Join made with a DataParallel over its parameters raises
+``ValueError`` on every rank, before anything starts, and its forward pass inside a running
+Join on that communicator raises ``RuntimeError``; both name the form above.
+
+A rank with an empty batch contributes zero samples; a batch empty on every rank gives an empty
+output and zero gradients and leaves the running statistics as they were, as
+``torch.nn.BatchNorm*`` does; a global batch of one sample per channel raises ``ValueError`` on
+every active rank, as torch's BatchNorm does for one (while a rank has joined, the Join
+ends with it on every rank: a joined rank raises the same kind where it shadows the layer, so it
+cannot be caught and skipped inside the loop).  The statistics are summed in float64, so
+a float32 model matches serial float32 BatchNorm to float32 rounding (about 1e-6 relative).
+
+The backward pass mixes the ranks' output gradients, each the gradient of its own rank's loss.
+DataParallel's plain mean weights every rank alike, which fits; ``dp.step(samples=n)``
+multiplies rank r's gradient by its ``n_r`` before dividing by their sum, so inside such a step
+rank r sums ``n_r`` times its contributions and divides its result by ``n_r``: every gradient
+on rank r is then that of the union's loss divided by ``n_r``, and the step's mean is the
+gradient of the mean loss over the union, as serial BatchNorm on the concatenated batch gives
+(a rank with ``samples=0`` and a non-empty batch cannot be weighted so: ``ValueError`` on
+every rank).  The statistics of each micro-batch of ``dp.step(micro_batches=K)`` are collectives
+of every active rank, so K must be the same on every active rank in a step (checked in each
+forward pass: ``ValueError`` on every rank; a rank with fewer runs empty micro-batches).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import weakref
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..algorithms._joinable_comm import JoinableComm
+from ..algorithms.join import JOIN_CHECK, Join
+from ..comm._tensors import host_array
+from ..parallel._data_parallel import step_in_progress
+from .metrics import StatesDiffer, group_of, group_size, overlap, reduce_states
+
+
+def _sums(group: Any, floats: torch.Tensor, counts: np.ndarray | None = None,
+          check: bool = False) -> tuple:
+    """`floats` (float64) summed over the group's ranks, and `counts` (int64) when given;
+    with `check`, every rank's number of channels is compared first (see reduce_states): the
+    forward pass checks, so the backward pass (the same lengths) need not."""
+    states: dict[str, Any] = {"sums": host_array(floats, "sums")}  # 2C numbers: the host
+    if counts is not None:
+        states["counts"] = counts
+    try:
+        totals = reduce_states(states, group, check=check)
+    except StatesDiffer:
+        raise ValueError(f"SyncBatchNorm: ranks have different numbers of channels (this rank "
+                         f"{floats.numel() // 2}): every rank must run the same model") from None
+    return (torch.from_numpy(totals["sums"]).to(floats.device),
+            None if counts is None else totals["counts"].tolist())
+
+
+def _refuse(group: Any, error: Exception) -> NoReturn:
+    """Raise `error`, which every active rank raises at this point; ranks that have joined
+    raise it too, at this point (a JoinableComm's refusal)."""
+    if isinstance(group, JoinableComm):
+        group._refuse(error)
+    raise error
+
+
+def _micro_batches() -> np.ndarray:
+    """``[1, K, K * K]`` (int64), K the ``micro_batches`` of the ``dp.step()`` in progress (1
+    outside one): summed over the active ranks, every rank can tell whether all ran the same
+    K (``ranks * sum(K * K) == sum(K) ** 2`` only when every K is equal)."""
+    step = step_in_progress()
+    k = 1 if step is None else step[0]
+    return np.array([1, k, k * k], dtype=np.int64)
+
+
+def _check_micro_batches(group: Any, ranks: int, k_sum: int, k_squares: int) -> None:
+    """Raise on every active rank (and joined ones) unless every active rank runs the same
+    number of micro-batches in its ``dp.step()``: a short rank's step would end, and its
+    gradient buckets be matched against another rank's next statistics."""
+    if ranks * k_squares != k_sum * k_sum:
+        k = int(_micro_batches()[1])
+        _refuse(group, ValueError(
+            f"SyncBatchNorm: the active ranks run different numbers of micro-batches in this "
+            f"dp.step() (micro_batches={k} here, {k_sum / ranks:g} on average over {ranks} "
+            f"ranks): the statistics of each micro-batch are one collective of every active "
+            f"rank, so every rank must run the same micro_batches in a step. Pass the same K "
+            f"on every rank, and let a rank with fewer micro-batches run empty ones (a batch of "
+            f"0 samples, forward and backward pass: it adds nothing)"))
+
+
+def _weight() -> float:
+    """What DataParallel multiplies this rank's gradient by at the step's end: its
+    ``samples`` in a ``dp.step(samples=)`` in progress, else 1 (a plain mean)."""
+    step = step_in_progress()
+    return 1.0 if step is None or step[1] is None else float(step[1])
+
+
+def _refuse_zero_weights(group: Any, ranks: float) -> None:
+    """A rank with ``samples=0`` and a non-empty batch: its samples move every rank's
+    statistics, but its gradient is multiplied by zero; no weighting can be exact."""
+    if ranks > 0:
+        _refuse(group, ValueError(
+            f"SyncBatchNorm: {ranks:g} rank(s) entered dp.step(samples=0) with a non-empty "
+            f"batch: its samples move the statistics of every rank's batch, but a per-sample "
+            f"mean multiplies its gradient by zero, so the step could not be the gradient of "
+            f"the mean loss over the union; pass each rank the number of samples its loss "
+            f"averages over (0 only for an empty batch), or leave samples= out"))
+
+
+def _by_channel(x: torch.Tensor) -> torch.Tensor:
+    """`x` as ``(N, C, L)`` (an empty batch included)."""
+    return x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
+
+
+_WORKING_FORM = ("convert the model with the Join's JoinableComm and put it in the Join: "
+                 "`jc = JoinableComm(comm); model = SyncBatchNorm.convert_sync_batchnorm(model, "
+                 "jc)`, then `Join([dp, jc])` (or `Join([dp, opt, jc])`), the forward pass "
+                 "inside `with dp.step():`")
+
+
+class _JoinCheck:
+    """The check that a Join made with a DataParallel over a layer's parameters runs: the
+    layer must reduce through a JoinableComm of that Join.  Pickled as nothing (a model saved
+    whole loads without it) and shared by copies."""
+
+    def __init__(self, layer: "SyncBatchNorm") -> None:
+        self._layer = weakref.ref(layer)
+
+    def __reduce__(self) -> tuple:
+        return type(None), ()
+
+    def __deepcopy__(self, memo: dict) -> "_JoinCheck":
+        return self
+
+    def __call__(self, join: Any) -> None:
+        layer = self._layer()
+        if layer is None or not join.enabled:
+            return
+        group = layer.process_group
+        if isinstance(group, JoinableComm) and any(j is group for j in join.joinables):
+            return
+        where = ("its JoinableComm is not in this Join" if isinstance(group, JoinableComm)
+                 else "it reduces over a plain communicator, which a joined rank cannot shadow")
+        raise ValueError(f"a SyncBatchNorm layer of this model cannot train in this Join: "
+                         f"{where} (its statistics would be matched against the gradient "
+                         f"buckets of a joined rank); {_WORKING_FORM}")
+
+
+def _check_not_in_join(group: MPI.Intracomm) -> None:
+    """A layer over a plain communicator, training inside a running Join over any of the same
+    ranks: joined ranks would not shadow its reductions; raise before any."""
+    join = Join.current()
+    if join is not None and overlap(group, join.joinables[0].join_process_group) > 0:
+        raise RuntimeError(f"SyncBatchNorm reduces over a plain communicator inside a running "
+                           f"Join, where ranks that have joined cannot shadow it; "
+                           f"{_WORKING_FORM}")
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, running_mean: torch.Tensor | None,
+                running_var: torch.Tensor | None, eps: float, factor: float,
+                group: Any) -> torch.Tensor:
+        channels = x.shape[1]
+        flat = _by_channel(x.detach()).double()
+        local = torch.cat([flat.sum((0, 2)), (flat * flat).sum((0, 2))])
+        counts = np.concatenate([[flat.shape[0] * flat.shape[2]], _micro_batches()])
+        totals, (count, *micro_batches) = _sums(group, local, counts, check=True)
+        _check_micro_batches(group, *micro_batches)
+        if count == 1:
+            _refuse(group, ValueError(
+                f"Expected more than 1 value per channel when training, got {count} over "
+                f"every rank (input size {list(x.shape)} here)"))
+        mean = totals[:channels] / max(count, 1)  # empty everywhere: as serial, an empty
+        var = (totals[channels:] / max(count, 1) - mean * mean).clamp_(min=0)  # output
+        invstd = (var + eps).rsqrt()
+        if running_mean is not None and running_var is not None and count > 0:
+            with torch.no_grad():
+                running_mean.mul_(1 - factor).add_((factor * mean).to(running_mean.dtype))
+                running_var.mul_(1 - factor).add_(
+                    (factor * var * count / (count - 1)).to(running_var.dtype))
+        xmu = flat - mean[None, :, None]
+        y = xmu * invstd[None, :, None]
+        if weight is not None:
+            y = y * weight.detach().double()[None, :, None]
+        if bias is not None:
+            y = y + bias.detach().double()[None, :, None]
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.count, ctx.group, ctx.has_bias = count, group, bias is not None
+        return y.to(x.dtype).reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, weight, mean, invstd = ctx.saved_tensors
+        channels = x.shape[1]
+        flat = _by_channel(x).double()
+        dy = grad.reshape(flat.shape).double()
+        xmu = flat - mean[None, :, None]
+        sum_dy, sum_dy_xmu = dy.sum((0, 2)), (dy * xmu).sum((0, 2))
+        grad_input = None
+        if ctx.needs_input_grad[0]:  # `dy` is this rank's loss's: weighted as DataParallel
+            share = _weight()  # will weight it (see the module's docstring)
+            zero = float(share == 0 and x.numel() > 0)
+            totals, _ = _sums(ctx.group, torch.cat([
+                torch.cat([sum_dy, sum_dy_xmu]) * share, sum_dy.new_full((1,), zero)]))
+            _refuse_zero_weights(ctx.group, float(totals[-1]))
+            count = max(ctx.count, 1) * (share or 1.0)  # and unweighted here
+            mean_dy, mean_dy_xmu = totals[:channels] / count, totals[channels:-1] / count
+            scale = invstd if weight is None else invstd * weight.detach().double()
+            grad_input = (scale[None, :, None] * (
+                dy - mean_dy[None, :, None]
+                - xmu * (invstd * invstd * mean_dy_xmu)[None, :, None])).to(x.dtype).reshape(
+                x.shape)
+        grad_weight = grad_bias = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)  # local: the gradient
+        if ctx.has_bias and ctx.needs_input_grad[2]:  # averaging sums them over the ranks
+            grad_bias = sum_dy.to(x.dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
+    """Batch normalisation over the batches of every (active) rank, through MPI.
+
+    The arguments of ``torch.nn.SyncBatchNorm``; inputs of shape ``(N, C, ...)`` on the CPU or
+    a CUDA device (the 2C sums of each pass go to MPI through the host).
+    In training mode collective over `process_group`: every active rank runs each forward pass
+    (and the backward pass, where the input needs a gradient), an empty batch included.
+
+    Parameters
+    ----------
+    num_features, eps, momentum, affine, track_running_stats, device, dtype
+        As for ``torch.nn.BatchNorm1d``.
+    process_group : JoinableComm or mpi4py.MPI.Intracomm, optional
+        Inside a Join, the :class:`~tensorplay_mpi.JoinableComm` in the Join; outside one,
+        any communicator.  Default ``MPI.COMM_WORLD``.
+
+    Raises
+    ------
+    ValueError
+        In training, when every rank together has one value per channel; for an input of
+        fewer than 2 dimensions; when a Join is made with a DataParallel over the layer's
+        parameters and the layer does not reduce through a JoinableComm of that Join; on
+        every rank, when the active ranks entered their ``dp.step()`` with different
+        ``micro_batches``, or, in the backward pass, when a rank passed ``samples=0`` with a
+        non-empty batch.
+    RuntimeError
+        In training, over a plain communicator inside a running Join on the same ranks.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 process_group: JoinableComm | MPI.Intracomm | None = None,
+                 device: Any = None, dtype: Any = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.process_group = group_of(process_group)
+        self._tag_parameters()
+
+    def _tag_parameters(self) -> None:
+        """Let a DataParallel over this layer's parameters check the Joins it is made into."""
+        check = _JoinCheck(self)
+        for p in (self.weight, self.bias):
+            if p is not None:
+                setattr(p, JOIN_CHECK, check)  # read by a DataParallel over them
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A model saved whole (``torch.save(model)``): the group is not saved (a communicator
+        cannot be pickled); the loaded layer reduces over the default communicator until it is
+        converted again with its group, ``convert_sync_batchnorm(model, jc)``."""
+        state = dict(self.__dict__)
+        state["process_group"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if self.process_group is None:
+            self.process_group = group_of(None)
+        self._tag_parameters()
+
+    def __deepcopy__(self, memo: dict) -> "SyncBatchNorm":
+        """A copy (``copy.deepcopy(model)``) shares the group, as it shares ``COMM_WORLD``."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            copied.__dict__[name] = (value if name == "process_group" else
+                                     copy.deepcopy(value, memo))
+        copied._tag_parameters()
+        return copied
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        tracking = self.training and self.track_running_stats
+        factor = 0.0 if self.momentum is None else self.momentum
+        if tracking and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        if not self.training:  # as torch: no collective in eval mode
+            return torch.nn.functional.batch_norm(
+                input, self.running_mean, self.running_var, self.weight, self.bias,
+                self.running_mean is None, 0.0, self.eps)
+        if not isinstance(self.process_group, JoinableComm):
+            _check_not_in_join(self.process_group)
+        if group_size(self.process_group) == 1:
+            return torch.nn.functional.batch_norm(
+                input, self.running_mean if tracking else None,
+                self.running_var if tracking else None, self.weight, self.bias, True, factor,
+                self.eps)
+        return _SyncBatchNormFunction.apply(
+            input, self.weight, self.bias, self.running_mean if tracking else None,
+            self.running_var if tracking else None, self.eps, factor, self.process_group)
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module,
+                               process_group: JoinableComm | MPI.Intracomm | None = None
+                               ) -> torch.nn.Module:
+        """`module` with every ``BatchNorm*D`` layer replaced by a :class:`SyncBatchNorm`.
+
+        As ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: parameters, running statistics
+        and the training flag are carried over (shared, not copied); the module returned is
+        `module` itself unless `module` is a batch-norm layer.  A layer converted before (a
+        loaded model, say) takes `process_group` when one is given.
+        """
+        converted = module
+        if isinstance(module, SyncBatchNorm) and process_group is not None:
+            module.process_group = group_of(process_group)  # converted before: the group given
+        elif isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(
+                module, SyncBatchNorm):
+            converted = cls(module.num_features, module.eps, module.momentum, module.affine,
+                            module.track_running_stats, process_group)
+            if module.affine:
+                with torch.no_grad():
+                    converted.weight = module.weight
+                    converted.bias = module.bias
+                converted._tag_parameters()
+            converted.running_mean = module.running_mean
+            converted.running_var = module.running_var
+            converted.num_batches_tracked = module.num_batches_tracked
+            converted.training = module.training
+            if hasattr(module, "qconfig"):
+                converted.qconfig = module.qconfig
+        for name, child in module.named_children():
+            converted.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+        return converted
+
+
+# A pickled model (torch.save) names the class by its public path, which imports it on first
+# use: the private module may move without breaking saved models.
+SyncBatchNorm.__module__ = "tensorplay_mpi.evaluation"
