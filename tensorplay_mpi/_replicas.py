@@ -11,24 +11,13 @@ rank if they differ.  Without a failure nothing runs.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Iterable
 
 import numpy as np
 from mpi4py import MPI
 
-from .comm._buffers import is_device_array
+from .comm._digests import array_digest
 from .comm._collectives import iallgather
-
-
-def digest(arrays: Iterable[Any]) -> int:
-    """An int64 digest of the arrays' bytes, shapes and dtypes (NumPy or CuPy)."""
-    h = hashlib.blake2b(digest_size=8)
-    for array in arrays:
-        host = array.get() if is_device_array(array) else np.asarray(array)
-        h.update(f"{host.shape}{host.dtype.str}".encode())
-        h.update(np.ascontiguousarray(host).tobytes())
-    return int(np.frombuffer(h.digest(), dtype=np.int64)[0])
 
 
 def check_replicas(comm: MPI.Intracomm, joinables: Iterable[Any], timeout: float) -> None:
@@ -38,7 +27,7 @@ def check_replicas(comm: MPI.Intracomm, joinables: Iterable[Any], timeout: float
     """
     joinables = list(joinables)
     arrays = [a for j in joinables for a in j.replicated_arrays()]
-    mine = np.array([digest(arrays)], dtype=np.int64)
+    mine = np.array([array_digest(arrays)], dtype=np.int64)
     every = np.empty(comm.Get_size(), dtype=np.int64)
     iallgather(comm, mine, every, "replica check (after a caught failure)").wait_or_abort(timeout)
     if (every == every[0]).all():

@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm._agreement import KINDS
+from ..comm._digests import ints_digest
 from ..comm._ops import OPS, op_name
 from ..errors import CollectiveMismatchError
 
@@ -109,11 +110,6 @@ def covered(fields: tuple) -> tuple:
     return fields[:1] if fields[0] == ALLGATHER else fields
 
 
-def digest(values: tuple) -> int:
-    """A positive int64 hash of ints, the same in every process (ints hash by value)."""
-    return (hash(values) & ((1 << 62) - 1)) | (1 << 62)
-
-
 def carried_op(x: Any, op_code: int) -> bool | None:
     """For an allreduce that an announcement can carry: whether its keys are reversed."""
     name = OPS[op_code - 1]
@@ -190,7 +186,7 @@ def encode(announcement: np.ndarray, fields: tuple, rank: int,
     rows = {} if rows is None else rows
     made = rows.get(key)
     if made is None:
-        signature = digest(covered(fields))
+        signature = ints_digest(covered(fields))
         row = np.full(SLOTS, NOBODY, np.int64)
         row[:PAYLOAD_AT] = fields + (signature, -signature, int(rank == fields[3]), rank)
         if len(rows) >= ROWS_KEPT:
@@ -245,7 +241,7 @@ def decode(announcement: np.ndarray, size: int, what: str, sent: tuple | None = 
     values = tuple(announcement[:PAYLOAD_AT].tolist())
     kind, op, code, root, count, rows = fields = values[:FIELDS]
     signature, negated = values[FIELDS:FIELDS + 2]
-    if signature != -negated or signature != digest(covered(fields)):
+    if signature != -negated or signature != ints_digest(covered(fields)):
         raise CollectiveMismatchError(
             f"{what} is not one operation that every active rank announced: active ranks "
             "issued different JoinableComm operations (a different kind, dtype, element "

@@ -41,11 +41,11 @@ from mpi4py import MPI
 
 from ..comm import _torch_cuda as torch_cuda
 from ..comm._buffers import copy_into
-from ..comm._agreement import agree as agree_on
+from ..comm._agreement import agree
 from ..comm._collectives import iallgather, iallreduce, ibcast
 from ..comm._fault_tolerance import fault_tolerance, is_process_failure
 from ..comm._guard import Guard
-from ..comm._shrink import agree, shrink
+from ..comm._shrink import none_lost, shrink
 from ..errors import RanksLostError
 from .._process import set_up
 from ..settings import settings
@@ -196,14 +196,14 @@ def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException 
     joinables : sequence of Joinable
         The Join's joinables (every one an ElasticJoinable).
     error : BaseException or None
-        MPI's report of the loss on this rank (None: :func:`~tensorplay_mpi.comm._shrink.agree`
-        said so).
+        MPI's report of the loss on this rank (None:
+        :func:`~tensorplay_mpi.comm._shrink.none_lost` said so).
     timeout : float, optional
         The deadline of each wait on the survivors' communicator; default the library's.
     entered : int, optional
         :func:`progress` when the Join was entered; default now (``steps`` is then 0).
     agreed : bool, default False
-        This rank has run :func:`~tensorplay_mpi.comm._shrink.agree` on `comm` already.
+        This rank has run :func:`~tensorplay_mpi.comm._shrink.none_lost` on `comm` already.
 
     A rank lost during the recovery itself (in the shrink, the settle) is lost the same way:
     the survivors shrink again, and every survivor agrees on each communicator before it adopts
@@ -261,7 +261,7 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
     them.
 
     Collective over `comm`.  Under fault tolerance a rank adopts what it received only once
-    every rank agreed that none was lost meanwhile (:func:`~tensorplay_mpi.comm._shrink.agree`);
+    every rank agreed that none was lost meanwhile (:func:`~tensorplay_mpi.comm._shrink.none_lost`);
     returns ``None``, having changed nothing, when one was.
 
     Raises
@@ -271,7 +271,7 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
     mpi4py.MPI.Exception
         When a rank is lost in the settle's collectives (nothing changed).
     """
-    step, root = _agree_on_step(comm, progress(joinables) or 0, timeout)
+    step, root = _settled_step(comm, progress(joinables) or 0, timeout)
     owners = companions(joinables)
     arrays = list({id(a): a for j in joinables for a in j.elastic_state()}.values())
     received = arrays if comm.Get_rank() == root else [a.copy() for a in arrays]  # scratch:
@@ -280,7 +280,7 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
     for work in works:
         work.wait_or_abort(timeout)
     state_dicts = _broadcast_state_dicts(comm, owners, root, timeout) if owners else []
-    if fault_tolerance()[0] and not agree(comm):
+    if fault_tolerance()[0] and not none_lost(comm):
         return None
     for array, value in zip(arrays, received):
         if value is not array:
@@ -295,7 +295,7 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
         except Exception as error:  # every survivor learns it: replicas would differ
             failure = error
     if owners:
-        agree_on(lambda row, every: iallgather(comm, row, every, "elastic settle: loads"),
+        agree(lambda row, every: iallgather(comm, row, every, "elastic settle: loads"),
                  comm.Get_rank(), comm.Get_size(), "the elastic settle's load_state_dict() of "
                  "update='s owner", timeout, failure)
     return step, root
@@ -326,7 +326,7 @@ def _broadcast_state_dicts(comm: MPI.Intracomm, owners: Sequence[Any], root: int
     return [] if mine else pickle.loads(data.tobytes())
 
 
-def _agree_on_step(comm: MPI.Intracomm, mine: int, timeout: float) -> tuple[int, int]:
+def _settled_step(comm: MPI.Intracomm, mine: int, timeout: float) -> tuple[int, int]:
     """The settled step (the most updates any survivor applied) and the survivor that sends
     its state: the lowest rank that applied them (one ``Iallreduce(int64[2], MAX)`` of
     ``[updates * size + size - 1 - rank, -updates]``)."""

@@ -7,7 +7,8 @@ from typing import Any, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from ..comm._agreement import agree, layout_digest
+from ..comm._agreement import agree
+from ..comm._digests import layout_digest
 from ..comm._collectives import Work, check_comm, default_comm, iallgather, resolve_timeout
 from ..comm._guard import Guard
 from .._process import set_up

@@ -44,6 +44,7 @@ from mpi4py import MPI
 from ..comm._agreement import KINDS, agree_on_setting, kind_code
 from ..comm._buffers import device_of, is_device_array, misordered, zeros_like
 from ..comm._collectives import Work, iallgather, iallgatherv, iallreduce, ibcast
+from ..comm._digests import ints_digest
 from ..comm._ops import OPS
 from ..comm import _torch_cuda as torch_cuda
 from ..comm._persistent import MAX_BYTES, SPINS, PersistentCollectives, enabled
@@ -499,7 +500,7 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
             code = wire.dtype_code(rows.dtype)
         except (TypeError, ValueError) as error:
             self._refuse(error)
-        row_digest = wire.digest((code,) + rows.shape[1:])
+        row_digest = ints_digest((code,) + rows.shape[1:])
         self._start_operation()
         self._announce(wire.ALLGATHER, 0, code, count=math.prod(rows.shape[1:]), rows=row_digest)
         return self._own(self._gather_rows(rows, row_digest, given))

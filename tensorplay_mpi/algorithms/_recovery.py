@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from ..comm._fault_tolerance import fault_tolerance, is_process_failure, lost_rank_error
 from ..comm._guard import Guard
-from ..comm._shrink import agree, revoke
+from ..comm._shrink import none_lost, revoke
 from ..comm._work import complete_pending
 from .._replicas import check_replicas
 from ..settings import settings
@@ -50,14 +50,15 @@ class Recovery:
         if self.elastic:
             self._entered_progress = progress(self._joinables) or 0  # not None: checked
 
-    def settle(self, error: BaseException, forget_heartbeats: Callable[[], None]) -> None:
+    def handle_failure(self, error: BaseException,
+                       forget_heartbeats: Callable[[], None]) -> None:
         """The failure path: agree with every rank; when every rank failed on its own,
         complete every operation still pending on the communicator (of any joinable), so
         nothing leaks into the next Join.  A lost rank (MPI reports it under ULFM) raises
         :class:`~tensorplay_mpi.errors.PeerFailureError` naming it instead of MPI's error,
         or, when elastic, :class:`~tensorplay_mpi.errors.RanksLostError` once the survivors
         go on without it."""
-        if self._guard is not None and self._guard.settle(error).intact:
+        if self._guard is not None and self._guard.agree_on_failure(error).intact:
             forget_heartbeats()
             complete_pending(self._guard, self._timeout)
         if is_process_failure(error, self._comm):
@@ -72,15 +73,15 @@ class Recovery:
     def agree_on_the_end(self) -> None:
         """An elastic Join under fault tolerance ends on every rank alike: a rank lost before
         every survivor left it (in the post hooks, say) is recovered from on every survivor."""
-        if self.elastic and fault_tolerance()[0] and not agree(self._comm):
+        if self.elastic and fault_tolerance()[0] and not none_lost(self._comm):
             raise recover(self._comm, self._joinables, None, self._timeout,
                           self._entered_progress, agreed=True)
 
     def exit(self) -> None:
-        """On the Join's exit, whatever happened: forget the settled exception (its frames and
+        """On the Join's exit, whatever happened: forget the exception agreed on (its frames and
         their objects), answer stall questions that came while this rank computed, and drop
         the joinables."""
         if self._guard is not None:
-            self._guard.forget_settled()
+            self._guard.forget_failure()
             self._guard.drain()
         self._joinables = []

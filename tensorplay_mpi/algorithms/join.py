@@ -419,7 +419,7 @@ class Join:
             if not self._enable:  # inert: started nothing, agrees on nothing
                 return
             if exc is not None:
-                self._recovery.settle(exc, self._heartbeats.clear)
+                self._recovery.handle_failure(exc, self._heartbeats.clear)
             else:
                 try:
                     self._finish_iterations()
@@ -427,7 +427,7 @@ class Join:
                     self._run_due_save()
                     self._join_loop()
                 except BaseException as error:
-                    self._recovery.settle(error, self._heartbeats.clear)
+                    self._recovery.handle_failure(error, self._heartbeats.clear)
                     raise
                 self._recovery.agree_on_the_end()
         finally:

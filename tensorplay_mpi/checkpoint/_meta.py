@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..comm._tensors import host_array
-from .._replicas import digest
+from ..comm._digests import array_digest
 
 SAVABLE_KINDS = "biufcUS"
 """NumPy dtype kinds a checkpoint holds (bool, integers, floats, complex, strings): those that
@@ -129,13 +129,13 @@ def extra_digests(shared: Mapping[str, np.ndarray], own: Mapping[str, np.ndarray
     """Two int64 digests that every rank's save compares: of the keys (which are per-rank),
     and of the values saved as rank 0 has them."""
     layout = np.array(json.dumps([sorted(shared), sorted(own)]))
-    return digest([layout]), digest([shared[key] for key in sorted(shared)])
+    return array_digest([layout]), array_digest([shared[key] for key in sorted(shared)])
 
 
 def value_digests(shared: Mapping[str, np.ndarray]) -> np.ndarray:
     """One int64 digest per value saved as rank 0 has it (in the order of the sorted keys): a
     save gathers them to name the values that differ, once the keys agree."""
-    return np.array([digest([shared[key]]) for key in sorted(shared)], dtype=np.int64)
+    return np.array([array_digest([shared[key]]) for key in sorted(shared)], dtype=np.int64)
 
 
 def groups(values: np.ndarray) -> list[list[int]]:

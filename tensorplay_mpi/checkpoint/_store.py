@@ -42,7 +42,7 @@ from ..comm._guard import Guard
 from ..comm._tensors import as_arrays, host_array
 from ..optim._protocol import OptimizerState
 from .._process import set_up
-from .._replicas import digest
+from ..comm._digests import array_digest
 from ._meta import (check_config, check_extra, check_savable, encode_config, extra_digests,
                     groups, resumed_extra, split_extra, value_digests)
 from ._providers import Contents, Plan, contents, plan
@@ -418,7 +418,7 @@ def _save(directory: str, what: Contents, refused: BaseException | None,
     except Exception as failed:  # a TypeError, or a failing device copy
         unsavable, shared, own = failed, {}, {}
     counters = np.array([what.step, what.epoch, what.cursor, time.time_ns(),
-                         digest(params + buffers + replicated), unsavable is None,
+                         array_digest(params + buffers + replicated), unsavable is None,
                          *extra_digests(shared, own)], dtype=np.int64)
     every = np.empty((size, counters.size), dtype=np.int64)
     iallgather(comm, counters, every, "checkpoint counters").wait_or_abort(timeout)

@@ -22,8 +22,7 @@ signature checks and the test verdicts of :mod:`tensorplay_mpi.testing` all deci
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -150,13 +149,6 @@ def agree_on_setting(start: Callable[[np.ndarray, np.ndarray], Work], rank: int,
     raise ValueError(f"rank {rank}: {variable} is on for ranks {on_ranks} and off for ranks "
                      f"{off_ranks}; {why}, so set it the same on every rank (in the job's "
                      f"environment, before mpiexec or srun)")
-
-
-def layout_digest(layout: Any) -> int:
-    """An int64 digest of ``repr(layout)`` (names, shapes, dtypes, settings), the same in every
-    process for the same layout; never the int64 minimum, so its negation fits in an int64."""
-    raw = hashlib.blake2b(repr(layout).encode(), digest_size=8).digest()
-    return max(int(np.frombuffer(raw, np.int64)[0]), -2**63 + 1)
 
 
 def same_everywhere(start: Callable[[np.ndarray], Work], value: int, timeout: float) -> bool:

@@ -8,9 +8,9 @@ it while waiting.  It owns two private duplicates:
 ``notices``
     A rank that leaves a Join or a step through an exception sends a notice (its rank, whether
     the failure is its own, the exception's type and message) to every other rank.  Every
-    library wait on the guarded communicator looks for notices; after a short grace it settles
-    the failure and raises :class:`~tensorplay_mpi.errors.PeerFailureError`.  Settling is the
-    failure agreement, one ``Iallreduce(MAX)`` on ``notices`` of whether the failure was
+    library wait on the guarded communicator looks for notices; after a short grace it agrees on
+    the failure and raises :class:`~tensorplay_mpi.errors.PeerFailureError`.  The
+    failure agreement is one ``Iallreduce(MAX)`` on ``notices`` of whether the failure was
     another rank's, and of how far the rank got: the collectives it started on the guarded
     communicator (:attr:`Guard.started`), plus and minus, so that the maximum gives both the
     highest and the lowest count.  It is bounded by ``$TENSORPLAY_MPI_GRACE`` (10 s).  When
@@ -58,12 +58,12 @@ _KEYVAL = MPI.Comm.Create_keyval(delete_fn=lambda comm, keyval, guard: guard.fre
 
 
 class Verdict(NamedTuple):
-    """The outcome of a failure agreement (:meth:`Guard.settle`)."""
+    """The outcome of a failure agreement (:meth:`Guard.agree_on_failure`)."""
 
     intact: bool
     """True iff every rank failed on its own, at the same point: the communicator is usable."""
-    progress: int
-    """The highest `progress` any rank reported (meaningful when intact)."""
+    caller_completes: int
+    """The highest `caller_completes` any rank reported (meaningful when intact)."""
 
 
 def _idup(comm: MPI.Intracomm, what: str) -> MPI.Intracomm:
@@ -83,9 +83,9 @@ class Guard:
         self.log = ReplayLog()  # the latest collectives started on it, for a drain
         self.notices = _idup(comm, "the guard's failure-notice communicator")
         self.checks = _idup(comm, "the guard's debug-check communicator")
-        self.received: list[tuple] = []  # notices of the failure being settled
+        self.received: list[tuple] = []  # notices of the failure being agreed on
         self._first_notice: float | None = None
-        self._settled: tuple[BaseException, Verdict] | None = None  # the latest settle
+        self._agreed: tuple[BaseException, Verdict] | None = None  # the latest failure agreed on
         self.broken: str | None = None
         self.replica_check_due = False  # a failure was judged intact: check the replicas
         self.started = 0  # collectives started on the guarded communicator (and their checks)
@@ -173,8 +173,8 @@ class Guard:
                 + "\n".join(rows))
 
     def poll(self, what: str, since: float) -> None:
-        """Settle and raise PeerFailureError once another rank's failure notice is older than
-        the grace.
+        """Agree on the failure and raise PeerFailureError once another rank's failure notice
+        is older than the grace.
 
         The grace (:data:`NOTICE_GRACE_S`, counted from the notice or from `since`, the start of the
         current wait, whichever is later) lets an operation that the failed rank had already
@@ -189,12 +189,12 @@ class Guard:
         if self._stall is not None and self._stall.due():
             self._stall.print()
             self._stall = None
-        first = self._first_notice  # set iff a notice is being settled
+        first = self._first_notice  # set iff a notice is being agreed on
         if first is not None and time.monotonic() - max(first, since) > NOTICE_GRACE_S:
             rank, _, kind, message = self.received[0]
             error = PeerFailureError(f"rank {self.rank}: rank {rank} failed with {kind}: "
                                      f"{message} (while this rank waited for {what})")
-            self.settle(error)  # a PeerFailureError leaves every library call settled
+            self.agree_on_failure(error)  # a PeerFailureError leaves every library call agreed on
             raise error
 
     def _unusable(self, what: str) -> RuntimeError:
@@ -214,15 +214,15 @@ class Guard:
 
     # -- the failure path ------------------------------------------------------------------------
 
-    def settle(self, error: BaseException, progress: int = 0) -> Verdict:
+    def agree_on_failure(self, error: BaseException, caller_completes: int = 0) -> Verdict:
         """Tell every rank about `error`, agree, and say whether the communicator is intact.
 
         Called by every rank that leaves a Join or a step through an exception, and by a wait
         that raises PeerFailureError.  Two rounds: the agreement, then a confirmation that
         every rank completed it (a rank that gave up waiting for a late one does not confirm,
-        so the late one cannot take the communicator for intact).  Settling the same exception
+        so the late one cannot take the communicator for intact).  Agreeing on the same exception
         again returns the same verdict, so an exception that leaves a step and then its Join
-        is settled once.  Each round waits for the other ranks at most
+        is agreed on once.  Each round waits for the other ranks at most
         ``$TENSORPLAY_MPI_GRACE`` seconds; a rank whose peers do not come (they are busy
         outside the library, or gone) marks the communicator broken and lets its own exception
         propagate.
@@ -231,7 +231,7 @@ class Guard:
         ----------
         error : BaseException
             The exception this rank leaves with.
-        progress : int, default 0
+        caller_completes : int, default 0
             How many of the collectives this rank started the caller will complete itself
             when the verdict is intact (DataParallel's buckets of the failed step: a rank that
             started fewer starts the missing ones).  The other collectives must match exactly.
@@ -240,25 +240,26 @@ class Guard:
         -------
         Verdict
             ``intact`` iff every rank failed on its own and every rank started the same
-            collectives apart from `progress`; ``progress``, the highest over ranks.
+            collectives apart from `caller_completes`; ``caller_completes``, the highest
+            over ranks.
         """
-        if self._settled is not None and self._settled[0] is error:
-            return self._settled[1]
+        if self._agreed is not None and self._agreed[0] is error:
+            return self._agreed[1]
         if self.broken is None and is_process_failure(error, self._comm):  # no agreement
             self.broken = f"the loss of rank(s) {known_lost_ranks(self._comm)} ({error})"
         if self.broken is not None:
-            verdict = Verdict(False, progress)
+            verdict = Verdict(False, caller_completes)
         else:
-            verdict = self._agree(error, progress)
+            verdict = self._agree(error, caller_completes)
             self.replica_check_due = self.replica_check_due or verdict.intact
-        self._settled = (error, verdict)
+        self._agreed = (error, verdict)
         return verdict
 
-    def forget_settled(self) -> None:
-        """Drop the latest settled exception (a Join's exit: nothing settles it again)."""
-        self._settled = None
+    def forget_failure(self) -> None:
+        """Drop the latest exception agreed on (a Join's exit: nothing agrees on it again)."""
+        self._agreed = None
 
-    def _agree(self, error: BaseException, progress: int) -> Verdict:
+    def _agree(self, error: BaseException, caller_completes: int) -> Verdict:
         grace = settings().grace
         deadline = time.monotonic() + grace
         own = not isinstance(error, PeerFailureError)
@@ -266,12 +267,12 @@ class Guard:
         payload = np.frombuffer(pickle.dumps(notice), np.uint8)
         sends = [Work(self.notices.Isend(payload, r, _NOTICE_TAG), f"failure notice to {r}",
                       (payload,)) for r in range(self.size) if r != self.rank]
-        matched = self.started - progress  # collectives that every rank must have started
-        flags = np.array([int(not own), matched, -matched, progress], np.int64)
+        matched = self.started - caller_completes  # collectives that every rank must have started
+        flags = np.array([int(not own), matched, -matched, caller_completes], np.int64)
         if not self._all_come(flags, MPI.MAX, "failure agreement", grace):
             self.broken = (f"a failure ({type(error).__name__}) that not every rank came to "
                            f"agree on within {grace:g} s (TENSORPLAY_MPI_GRACE)")
-            return Verdict(False, progress)
+            return Verdict(False, caller_completes)
         # A rank that gave up waiting above is broken, and comes to no second round: a rank
         # that came after it (its agreement matched the given-up one) learns it here.
         if not self._all_come(np.ones(1, np.int64), MPI.MIN, "failure agreement (second "
@@ -279,7 +280,7 @@ class Guard:
             self.broken = (f"a failure ({type(error).__name__}) that a rank gave up agreeing "
                            f"on (it came more than {grace:g} s, TENSORPLAY_MPI_GRACE, after "
                            "another)")
-            return Verdict(False, progress)
+            return Verdict(False, caller_completes)
         # every notice was sent before the agreement could complete
         while len(self.received) < self.size - 1 and time.monotonic() < deadline:
             self._receive("the failure agreement")

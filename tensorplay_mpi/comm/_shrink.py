@@ -20,7 +20,7 @@ from ._guard import Guard
 from ._work import pending_of
 
 
-def agree(comm: MPI.Intracomm) -> bool:
+def none_lost(comm: MPI.Intracomm) -> bool:
     """Whether no rank of `comm` is lost, the same answer on every survivor
     (``MPI_Comm_agree``: a fault-tolerant agreement, which a revoked communicator still runs).
 
@@ -54,7 +54,7 @@ def shrink(comm: MPI.Intracomm, grace: float, agreed: bool = False
 
     Collective over the survivors of `comm`: each must call it (a survivor learns of the loss
     in its next operation on `comm`, which the revocation ends at once).  The agreement
-    (:func:`agree`) comes first, so that a survivor that learnt of the loss from an agreement
+    (:func:`none_lost`) comes first, so that a survivor that learnt of the loss from an agreement
     of its own (`agreed`: an elastic Join's end) meets the others there.
 
     Parameters
@@ -64,7 +64,7 @@ def shrink(comm: MPI.Intracomm, grace: float, agreed: bool = False
     grace : float
         Seconds to wait for the library's operations on it to end in error (:func:`revoke`).
     agreed : bool, default False
-        This rank has run :func:`agree` on `comm` already (and it said a rank was lost).
+        This rank has run :func:`none_lost` on `comm` already (and it said a rank was lost).
 
     Returns
     -------
@@ -74,7 +74,7 @@ def shrink(comm: MPI.Intracomm, grace: float, agreed: bool = False
     """
     revoke(comm, grace)
     if not agreed:
-        agree(comm)  # False: a rank is lost (this is why we are here)
+        none_lost(comm)  # False: a rank is lost (this is why we are here)
     survivors = cast(MPI.Intracomm, comm.Shrink())  # an intra-communicator's is one too
     return survivors, _lost(comm, survivors)
 

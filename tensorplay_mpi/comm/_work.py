@@ -119,7 +119,7 @@ class Work:
         global _starts
         _starts += 1
         if _starts >= max(_PROGRESS_EVERY, len(_pending)):  # amortised O(1) a start
-            progress_pending()
+            sweep_pending()
         _pending[id(self)] = self
 
     def __repr__(self) -> str:
@@ -318,7 +318,7 @@ def outstanding_requests() -> int:
     return len(_pending)
 
 
-def progress_pending() -> None:
+def sweep_pending() -> None:
     """Test every pending operation once, completing those that are done (and releasing their
     buffers).  New Works do it every ``max(32, pending)`` starts, so dropped Works do not pile
     up, at an amortised O(1) a start.
@@ -350,7 +350,7 @@ def progress_pending() -> None:
 
 
 def sweep_tests() -> int:
-    """How many requests the registry's sweeps (:func:`progress_pending`) have tested in this
+    """How many requests the registry's sweeps (:func:`sweep_pending`) have tested in this
     process: it grows by O(1) a start, whatever is pending."""
     return _swept
 

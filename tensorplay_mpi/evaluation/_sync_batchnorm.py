@@ -55,7 +55,7 @@ from mpi4py import MPI
 from ..algorithms._joinable_comm import JoinableComm
 from ..algorithms.join import JOIN_CHECK, Join
 from ..comm._tensors import host_array
-from ..parallel._data_parallel import step_in_progress
+from ..parallel._data_parallel import current_step
 from .metrics import StatesDiffer, group_of, group_size, overlap, reduce_states
 
 
@@ -88,7 +88,7 @@ def _micro_batches() -> np.ndarray:
     """``[1, K, K * K]`` (int64), K the ``micro_batches`` of the ``dp.step()`` in progress (1
     outside one): summed over the active ranks, every rank can tell whether all ran the same
     K (``ranks * sum(K * K) == sum(K) ** 2`` only when every K is equal)."""
-    step = step_in_progress()
+    step = current_step()
     k = 1 if step is None else step[0]
     return np.array([1, k, k * k], dtype=np.int64)
 
@@ -111,7 +111,7 @@ def _check_micro_batches(group: Any, ranks: int, k_sum: int, k_squares: int) -> 
 def _weight() -> float:
     """What DataParallel multiplies this rank's gradient by at the step's end: its
     ``samples`` in a ``dp.step(samples=)`` in progress, else 1 (a plain mean)."""
-    step = step_in_progress()
+    step = current_step()
     return 1.0 if step is None or step[1] is None else float(step[1])
 
 

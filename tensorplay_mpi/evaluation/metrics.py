@@ -36,7 +36,8 @@ from mpi4py import MPI
 
 from ..algorithms.join import Join
 from ..algorithms._joinable_comm import JoinableComm
-from ..comm._agreement import layout_digest, same_everywhere
+from ..comm._agreement import same_everywhere
+from ..comm._digests import layout_digest
 from ..comm._collectives import (check_comm, default_comm, default_timeout, iallgather, iallgatherv,
                                  iallreduce)
 from ..comm._tensors import as_array, host_array, is_tensor

@@ -145,7 +145,8 @@ def backward(params, x, y, dp: DataParallel) -> tuple[float, int]:
     return float(loss), correct
 
 
-def progress(epoch: int, epochs: int, text: str, width: int = 30) -> None:
+def epoch_bar(epoch: int, epochs: int, text: str, width: int = 30) -> None:
+    """Print a bar of the epochs done and `text` (in place on a terminal)."""
     done = int(width * epoch / epochs)
     bar = f"[{'#' * done}{'.' * (width - done)}] epoch {epoch:>3}/{epochs}  {text}"
     end = "\n" if epoch == epochs or not sys.stdout.isatty() else ""
@@ -170,12 +171,12 @@ def header(comm: MPI.Intracomm, args: argparse.Namespace, trained: int, tested: 
 
 def epoch_done(comm: MPI.Intracomm, epoch: int, epochs: int, totals: np.ndarray,
                validation: str = "") -> None:
-    """The progress line of an epoch, on rank 0, from the (loss sum, correct, samples) summed
+    """The line of an epoch, on rank 0, from the (loss sum, correct, samples) summed
     over ranks, and the `validation` line of examples.evaluation."""
     loss, correct, samples = totals
     if comm.rank == 0:
-        progress(epoch, epochs,
-                 f"loss {loss / samples:.4f}  train accuracy {correct / samples:.4f}  {validation}")
+        epoch_bar(epoch, epochs, f"loss {loss / samples:.4f}  train accuracy "
+                                 f"{correct / samples:.4f}  {validation}")
 
 
 class Tally:

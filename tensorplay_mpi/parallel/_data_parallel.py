@@ -53,7 +53,7 @@ from ._reducer import Reducer, Step
 _ENTERED: list[Step] = []  # the dp.step() blocks this process is inside, innermost last
 
 
-def step_in_progress() -> tuple[int, int | None] | None:
+def current_step() -> tuple[int, int | None] | None:
     """``(micro_batches, samples)`` of the innermost ``dp.step()`` this process is inside (any
     DataParallel), None outside every step.  Read by a layer whose backward pass mixes the
     ranks' gradients (SyncBatchNorm), so that it weights them as the step does and checks
@@ -346,7 +346,7 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
             raise RuntimeError("DataParallel must be the first joinable of its Join: "
                                "Join([dp, ...])")
         step = reducer.begin(Join.notify_join_context(self), micro_batches, samples)
-        with reducer.settling_failures(step), _entered(step):
+        with reducer.agreeing_on_failures(step), _entered(step):
             reducer.prepare(unused)
             yield self
             reducer.finish(step)

@@ -377,8 +377,8 @@ class Reducer:
             self._updates += 1
 
     @contextlib.contextmanager
-    def settling_failures(self, step: Step) -> Iterator[None]:
-        """Around one step (active or shadowed): an exception is settled (:meth:`_recover`)
+    def agreeing_on_failures(self, step: Step) -> Iterator[None]:
+        """Around one step (active or shadowed): an exception is agreed on (:meth:`_recover`)
         before it propagates; the step ends either way."""
         try:
             yield
@@ -401,9 +401,9 @@ class Reducer:
         lacks (their content no longer matters) and waits for all of them.
         """
         dp = self._dp
-        verdict = dp._guard.settle(error, progress=len(step.works))
+        verdict = dp._guard.agree_on_failure(error, caller_completes=len(step.works))
         if verdict.intact:
-            while len(step.works) < verdict.progress:
+            while len(step.works) < verdict.caller_completes:
                 self._start_bucket(step, len(step.works))
             dp._wait_all(step.works)
             for bucket in self._buckets:  # no step reads them: the next sends zeros
@@ -414,7 +414,7 @@ class Reducer:
         self.steps += 1
         self.step = step = Step(self.steps, None, False, len(self.params), [])
         step.resolved = True
-        with self.settling_failures(step):
+        with self.agreeing_on_failures(step):
             with torch_cuda.handed():  # the kernels after torch's writes, torch's after ours
                 self._exchange_control(step, divide_by_world)
                 self._finish_buckets(step, shadow=True)

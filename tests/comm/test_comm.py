@@ -5,7 +5,7 @@ import pytest
 from mpi4py import MPI
 
 from tensorplay_mpi.comm import iallgather, iallreduce, ibcast, outstanding_requests
-from tensorplay_mpi.comm._work import progress_pending
+from tensorplay_mpi.comm._work import sweep_pending
 
 
 @pytest.mark.parametrize("start, name", [
@@ -24,6 +24,6 @@ def test_a_dropped_work_is_owned_until_the_library_completes_it():
     out = np.empty(4)
     iallreduce(MPI.COMM_SELF, np.arange(4.0), out)  # dropped at once
     assert outstanding_requests() == 1
-    progress_pending()  # what every library start does once operations pile up
+    sweep_pending()  # what every library start does once operations pile up
     assert outstanding_requests() == 0
     np.testing.assert_array_equal(out, np.arange(4.0))

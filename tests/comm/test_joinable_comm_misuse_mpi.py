@@ -8,7 +8,8 @@ from mpi4py import MPI
 from toys import AllReducer
 
 from tensorplay_mpi import CollectiveMismatchError, Join, JoinableComm
-from tensorplay_mpi.algorithms._announcements import SLOTS, decode, digest
+from tensorplay_mpi.algorithms._announcements import SLOTS, decode
+from tensorplay_mpi.comm._digests import ints_digest
 from tensorplay_mpi.testing import assert_all, raises_everywhere, reset_settings, run_mpi
 
 PROGRAM = str(PROGRAMS / "jc_misuse.py")
@@ -176,7 +177,7 @@ def test_a_joined_rank_checks_what_it_receives(fields, message):
     if fields is None:
         received = np.arange(SLOTS, dtype=np.float64).view(np.int64)
     else:
-        signature = digest(fields)
+        signature = ints_digest(fields)
         received = np.array(fields + (signature, -signature, 0, 0) + (0,) * (SLOTS - 10))
     with pytest.raises(RuntimeError, match=message):
         decode(received, 1, "the announcement")

@@ -86,7 +86,7 @@ def test_a_sweep_completes_dropped_operations_and_skips_none_that_are_done(comm)
     comm.Barrier()  # every rank has started them all: they can complete
     deadline = time.monotonic() + 30  # a loaded machine, or Open MPI's progress, takes longer
     while registry.outstanding_requests() and time.monotonic() < deadline:
-        registry.progress_pending()
+        registry.sweep_pending()
     pending = registry.outstanding_requests()
     registry.complete_pending(None, 60.0)
     wrong = [i for i, r in enumerate(recvs) if not (r == i * comm.size).all()]

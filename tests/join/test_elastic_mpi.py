@@ -150,7 +150,7 @@ def test_the_settle_gives_the_state_of_the_lowest_rank_that_applied_the_step(com
 @pytest.mark.mpi(min_size=2)
 def test_survivors_more_than_one_update_apart_are_refused_on_every_rank(comm):
     with raises_everywhere(RuntimeError, match="more than the one an interrupted step"):
-        elastic._agree_on_step(comm, 2 * comm.rank, 60.0)
+        elastic._settled_step(comm, 2 * comm.rank, 60.0)
 
 
 def torch_sgd_run(comm, steps, extra):

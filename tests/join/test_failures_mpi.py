@@ -15,7 +15,7 @@ from tensorplay_mpi import (CollectiveMismatchError, DataParallel, Join, Joinabl
                             PeerFailureError)
 from tensorplay_mpi.comm import iallreduce, outstanding_requests
 from tensorplay_mpi.testing import active_counts, assert_all, raises_everywhere, reset_settings
-from tensorplay_mpi.comm._work import progress_pending
+from tensorplay_mpi.comm._work import sweep_pending
 
 
 @pytest.mark.mpi(min_size=4)
@@ -139,7 +139,7 @@ def test_a_dropped_work_keeps_its_buffers_until_the_operation_completes(comm):
     iallreduce(comm, np.ones(n), np.empty(n))  # dropped at once
     fresh = [np.full(n, -1.0) for _ in range(8)]  # would reuse freed buffers
     while outstanding_requests():
-        progress_pending()
+        sweep_pending()
     intact = all((a == -1.0).all() for a in fresh)
     assert_all(intact, "a dropped operation wrote into memory allocated after it")
 

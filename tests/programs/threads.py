@@ -16,7 +16,7 @@ from report import report
 
 from tensorplay_mpi import JoinableComm
 from tensorplay_mpi.comm import iallreduce, outstanding_requests
-from tensorplay_mpi.comm._work import progress_pending
+from tensorplay_mpi.comm._work import sweep_pending
 
 
 
@@ -41,7 +41,7 @@ try:
         while (helper.is_alive() or len(sums) < 50) and len(sums) < 2000:  # the registry's tests
             sums.append(iallreduce(comm, np.full(8, float(len(sums))), np.empty(8)))
             for _ in range(20):
-                progress_pending()
+                sweep_pending()
         sums += [iallreduce(comm, np.full(8, float(i)), np.empty(8))
                  for i in range(len(sums), 2000)]  # the same number on every rank
         helper.join()
