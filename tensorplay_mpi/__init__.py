@@ -9,6 +9,7 @@ from .errors import (CollectiveMismatchError, CollectiveTimeoutError, EarlyTermi
                      PeerFailureError, RanksLostError)
 from .optim import SGD, Adam, AdamW, ZeroRedundancyOptimizer
 from .parallel import DataParallel
+from ._process import exit_for_requeue
 from .stopping import (clear_save, clear_stop, keep_stop_signals, request_save, request_stop,
                        save_requested, stop_on_signals, stop_requested)
 
@@ -38,6 +39,6 @@ __all__ = [
     "CollectiveMismatchError", "CollectiveTimeoutError", "EarlyTerminationError",
     "PeerFailureError", "RanksLostError", "stop_on_signals", "request_stop", "stop_requested",
     "clear_stop",
-    "request_save", "save_requested", "clear_save", "keep_stop_signals",
+    "request_save", "save_requested", "clear_save", "keep_stop_signals", "exit_for_requeue",
     "checkpoint", "comm", "data", "optim", "__version__",
 ]

@@ -52,7 +52,7 @@ import os
 import sys
 import time
 from types import TracebackType
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from mpi4py import MPI
 
@@ -61,7 +61,7 @@ from .comm._fault_tolerance import FINALIZE_WATCHDOG_S, fault_tolerance
 from .comm._persistent import free_all
 from .comm._work import complete_all_at_exit, outstanding_requests
 from .settings import settings
-from .stopping import ignore_kept_signals
+from .stopping import REQUEUE_STATUS, ignore_kept_signals
 from ._threads import limit_threads
 
 _LAUNCH_VARIABLES = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
@@ -256,6 +256,30 @@ def _finalize_after_a_loss() -> None:
         return
     if lost:
         MPI.Finalize()
+
+
+def exit_for_requeue(status: int = REQUEUE_STATUS) -> NoReturn:
+    """End this process with `status` (75 by default), MPI finalized first, cleanly.
+
+    Call it on every rank once the stop's checkpoint is written (``MPI_Finalize`` is
+    collective).  The library completes its pending operations and frees its persistent
+    collectives as MPI finalizes, so the job ends with its own output only; under ``python -m
+    mpi4py`` a nonzero exit without it would call ``MPI_Abort``, which ``srun`` reports as
+    "Killed" (137), losing the status.  Under a fault-tolerant launch the finalize runs under
+    the exit's watchdog, never a silent hang.
+
+    Raises
+    ------
+    SystemExit
+        Always, with `status`.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        if fault_tolerance()[0]:
+            faulthandler.dump_traceback_later(FINALIZE_WATCHDOG_S, exit=True)
+        MPI.Finalize()
+    sys.exit(status)
 
 
 atexit.register(_at_exit)  # after mpi4py's own: runs before MPI_Finalize

@@ -17,11 +17,16 @@ from typing import Iterable, Iterator
 from ._resets import register
 
 __all__ = ["stop_on_signals", "keep_stop_signals", "request_stop", "stop_requested", "clear_stop",
-           "request_save", "save_requested", "clear_save"]
+           "request_save", "save_requested", "clear_save", "REQUEUE_STATUS"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 """What Slurm sends at the time limit (SIGTERM), what ``--signal`` and ``scancel --signal``
 are usually set to send before it (SIGUSR1), and Ctrl-C (SIGINT)."""
+
+REQUEUE_STATUS = 75
+"""``EX_TEMPFAIL`` of ``sysexits.h``, "try again": the status of a job that stopped with a
+checkpoint, on which a batch script requeues it (neither success, so that ``afterok``
+dependencies wait, nor a failure)."""
 
 _pending: dict[str, str | None] = {"stop": None, "save": None}  # this rank's requests: why
 
@@ -166,3 +171,4 @@ def stop_on_signals(signals: Iterable[int] = STOP_SIGNALS) -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+

@@ -42,13 +42,14 @@ import numpy as np
 from mpi4py import MPI
 
 from tensorplay_mpi import (SGD, DataParallel, Join, RanksLostError, checkpoint,
-                            keep_stop_signals, request_save)
+                            exit_for_requeue, keep_stop_signals, request_save)
 from tensorplay_mpi.algorithms import recover
 from tensorplay_mpi.comm import iallgather, iallreduce, is_process_failure
 from tensorplay_mpi.data import Sampler, shard_sizes
 from tensorplay_mpi.examples.evaluation import validate
+from tensorplay_mpi.stopping import REQUEUE_STATUS
 
-STOPPED = 75
+STOPPED = REQUEUE_STATUS  # 75
 """The exit status of a stopped job (EX_TEMPFAIL of sysexits.h): its checkpoint is written,
 running the same command resumes it."""
 
@@ -446,6 +447,6 @@ def report(comm: MPI.Intracomm, args: argparse.Namespace, params: list[Any], acc
 
 if __name__ == "__main__":
     status = main()
-    if status == STOPPED:  # exit with it: under python -m mpi4py a nonzero exit would abort,
-        MPI.Finalize()     # which srun reports as "Killed" (137)
+    if status == STOPPED:  # MPI finalized first: under python -m mpi4py a nonzero exit would
+        exit_for_requeue(status)  # abort, which srun reports as "Killed" (137)
     sys.exit(status)

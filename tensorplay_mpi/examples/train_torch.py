@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import (DataParallel, Join, JoinableComm, checkpoint, request_save,
-                             stop_on_signals)
+from tensorplay_mpi import (DataParallel, Join, JoinableComm, checkpoint, exit_for_requeue,
+                             request_save, stop_on_signals)
 from tensorplay_mpi.comm import iallreduce
 from tensorplay_mpi.data import Sampler
 from tensorplay_mpi.examples.evaluation import validate
@@ -216,6 +216,6 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
 
 if __name__ == "__main__":
     status = main()
-    if status == STOPPED:  # exit with it: under python -m mpi4py a nonzero exit would abort,
-        MPI.Finalize()     # which srun reports as "Killed" (137)
+    if status == STOPPED:  # MPI finalized first: under python -m mpi4py a nonzero exit would
+        exit_for_requeue(status)  # abort, which srun reports as "Killed" (137)
     sys.exit(status)

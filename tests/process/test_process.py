@@ -134,8 +134,8 @@ THREAD_NOTE = "tensorplay_mpi: BLAS/OpenMP threads limited"
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_a_stop_ended_as_the_docs_say_prints_nothing_but_its_results(nprocs):
-    """``MPI.Finalize()`` then ``sys.exit(75)`` (docs/stopping.md): the library's persistent
-    requests are freed before MPI finalizes (MPICH printed a "freeing inactive persistent
+    """``exit_for_requeue()`` (docs/stopping.md: MPI finalized, then status 75): the library's
+    persistent requests are freed before MPI finalizes (MPICH printed a "freeing inactive persistent
     request" line for each one left)."""
     result = run_mpi(nprocs, [QUIET_EXIT, "stop"], timeout=90)
     assert result.returncode == 75, (result.stdout, result.stderr)

@@ -7,7 +7,7 @@ A JoinableComm loop (rank r has 20 + r iterations: the last ones with ranks join
 allreduce of float64 and one of int64 and a broadcast in each iteration (persistent
 collectives, where MPI has them).  MODE:
   stop   rank 0 requests a stop in iteration 5; every rank prints ``RESULT rank=R stopped at
-         I`` and ends as docs/stopping.md says: ``MPI.Finalize()``, then ``sys.exit(75)``
+         I`` and ends as docs/stopping.md says: ``exit_for_requeue()`` (MPI finalized, status 75)
   raise  rank 1 raises ValueError in iteration 3, uncaught (the others raise a
          PeerFailureError in their next library wait)
 """
@@ -17,7 +17,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from tensorplay_mpi import Join, JoinableComm, request_stop
+from tensorplay_mpi import Join, JoinableComm, exit_for_requeue, request_stop
 
 mode = sys.argv[1]
 world = MPI.COMM_WORLD
@@ -35,5 +35,4 @@ with Join([jc]) as join:
         if mode == "raise" and iteration == 3 and world.rank == 1:
             raise ValueError("boom in iteration 3")
 print(f"RESULT rank={world.rank} stopped at {iteration}", flush=True)
-MPI.Finalize()
-sys.exit(75)
+exit_for_requeue()
