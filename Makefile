@@ -255,6 +255,9 @@ bench: venv  ## every benchmark: JSON and a plot in benchmarks/results/
 	  $(MPIEXEC) -n $$n $(PY) -m mpi4py benchmarks/bench_jc.py \
 	    --out benchmarks/results/jc-$$n-ranks.json || exit 1; \
 	done
+	@echo "== scientific loops: JoinableComm against hand-written padding, at 2 ranks"
+	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_science.py \
+	  --out benchmarks/results/science-2-ranks.json
 	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_metrics.py \
 	  --out benchmarks/results/metrics-2-ranks.json
 	$(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_registry.py \

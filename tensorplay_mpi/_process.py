@@ -59,10 +59,10 @@ from mpi4py import MPI
 from ._resets import register
 from .comm._fault_tolerance import FINALIZE_WATCHDOG_S, fault_tolerance
 from .comm._persistent import free_all
-from .comm._work import complete_all_at_exit, outstanding_requests
+from .comm._work import complete_all_at_exit, outstanding_requests, spin_on_own_core
 from .settings import settings
 from .stopping import REQUEUE_STATUS, ignore_kept_signals
-from ._threads import limit_threads
+from ._threads import limit_threads, oversubscribed
 
 _LAUNCH_VARIABLES = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 _REPORT_GRACE_S = 0.5  # the launcher forwards the traceback before the abort kills the job
@@ -93,6 +93,8 @@ def set_up(comm: MPI.Intracomm | None = None) -> None:
     if current.excepthook:
         install_excepthook()
     limit_threads(comm, setting=current.threads)
+    if comm is not None:  # the ranks on this node are counted: a wait may spin longer
+        spin_on_own_core(not oversubscribed())
 
 
 def launch_problem() -> str | None:

@@ -25,15 +25,21 @@ from typing import Any, Callable, Protocol
 
 from mpi4py import MPI
 
+from .._resets import register
 from ..errors import CollectiveTimeoutError
 from ..settings import settings
 
 # A wait spins on MPI_Test while data may be moving (a nonblocking collective progresses only
-# inside MPI calls): 1 ms plus 4 ms per MB of its buffers.  Then it sleeps between tests, 10 us
-# doubling up to 250 us, so that a rank waiting for slower peers leaves the core to them on an
-# oversubscribed node, at a cost of at most 250 us of latency.  While spinning it yields the
-# core after every test, which costs nothing when no other process wants it.
+# inside MPI calls): 1 ms plus 4 ms per MB of its buffers on an oversubscribed node, 20 ms on a
+# node with a core per rank (set_up() decides: spin_on_own_core()), where a rank waiting for
+# slower peers (a joined rank shadowing, say) has the core to itself and a sleep would only
+# answer late.  Then it sleeps between tests, 10 us doubling up to 250 us, so that a rank
+# waiting long leaves the core to others, at a cost of at most 250 us of latency.  While
+# spinning it yields the core after every test, which costs nothing when no other process
+# wants it (MPICH's blocking waits spin the same way, without end).
 _SPIN_S = 1e-3
+_OWN_CORE_SPIN_S = 2e-2
+_spin_s = _SPIN_S
 _SPIN_BYTES_PER_S = 2.5e8
 _QUICK_TESTS = 8  # tests without yielding first: a small collective is done within a few
 _MIN_SLEEP_S = 1e-5
@@ -211,7 +217,7 @@ class Work:
         poller = self.poller if poll else None
         start = time.monotonic()
         stall = settings().stall if poll else 0.0
-        spin, sized = _SPIN_S, False
+        spin, sized = _spin_s, False
         sleep, tests = _MIN_SLEEP_S, 0
         while not self.is_completed():
             tests += 1
@@ -311,6 +317,20 @@ def report_and_abort(error: BaseException) -> None:
     time.sleep(_REPORT_GRACE_S)  # the launcher forwards the report before the abort kills it
     MPI.COMM_WORLD.Abort(1)
     raise error
+
+
+def spin_on_own_core(own: bool) -> None:
+    """Spin longer in a wait (20 ms, not 1 ms) before sleeping: this rank has a core to itself
+    (`own`; :func:`~tensorplay_mpi._process.set_up` decides, from the ranks on the node)."""
+    global _spin_s
+    _spin_s = _OWN_CORE_SPIN_S if own else _SPIN_S
+
+
+def _default_spin() -> None:
+    spin_on_own_core(False)
+
+
+register(_default_spin)
 
 
 def outstanding_requests() -> int:
