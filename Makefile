@@ -17,10 +17,11 @@ MPI_TESTS    ?= tests
 # Where the ranks above 0 of the MPI tests write their output (tests/rank-logs); emptied by each
 # run of test-mpi. .ci/run gives each target its own, as its targets run side by side.
 export TEST_LOGS ?= .test-logs
-# The core MPI tests (Join, DataParallel, JoinableComm, ZeRO; tiny workloads), for test-8.
-CORE_TESTS   := tests/join/test_join_mpi.py tests/parallel/test_data_parallel_mpi.py \
-                tests/parallel/test_data_parallel_misuse_mpi.py \
-                tests/comm/test_joinable_comm_mpi.py tests/optim/test_zero_mpi.py
+# The core MPI tests (Join, DataParallel, JoinableComm, ZeRO; tiny workloads), for test-8: the
+# MPI tests of these files (-m mpi; their serial tests run in test-serial).
+CORE_TESTS   := tests/algorithms/test_join.py tests/parallel/test_data_parallel.py \
+                tests/parallel/test_data_parallel_misuse.py \
+                tests/algorithms/test_joinable_comm.py tests/optim/test_zero.py
 
 .PHONY: help venv check test test-serial test-slow test-mpi test-unfused test-nopersistent test-8 soak-32 test-noshm test-multihost test-elastic elastic-trials test-openmpi docs api-docs slurm-test stop-trials demo \
         lint bench bench-fresh bench-threads bench-torch gpu-check clean
@@ -81,8 +82,9 @@ test-mpi: venv  ## the MPI tests at each rank count in RANKS (files: MPI_TESTS)
 	         echo "MPI tests failed at $$n rank(s) (exit $$rc)"; exit 1; }; \
 	done
 
-# The optimizer tests once more on the NumPy rules, the fused kernels off (docs/optimizers.md).
-OPTIM_TESTS := tests/optim/test_optim_mpi.py tests/optim/test_zero_mpi.py
+# The optimizer tests once more on the NumPy rules, the fused kernels off (docs/optimizers.md):
+# the serial tests of tests/optim/test_optim.py, then the MPI tests of both files.
+OPTIM_TESTS := tests/optim/test_optim.py tests/optim/test_zero.py
 test-unfused: venv  ## the optimizer tests again on the NumPy rules (fused kernels off)
 	TENSORPLAY_MPI_FUSED=0 $(PY) -m pytest -m "not mpi" -q --timeout=$(RUN_TIMEOUT) \
 	  --timeout-method=thread tests/optim/test_optim.py
@@ -91,9 +93,9 @@ test-unfused: venv  ## the optimizer tests again on the NumPy rules (fused kerne
 
 # The JoinableComm and Join tests once more without MPI-4 persistent collectives, as with Open
 # MPI 4 or Debian's mpi4py 3.1 (docs/joinable_comm.md): the fallback is the nonblocking path.
-PERSISTENT_TESTS := tests/comm/test_joinable_comm_mpi.py \
-                    tests/comm/test_joinable_comm_misuse_mpi.py tests/comm/test_persistent_mpi.py \
-                    tests/join/test_join_mpi.py
+PERSISTENT_TESTS := tests/algorithms/test_joinable_comm.py \
+                    tests/algorithms/test_joinable_comm_misuse.py tests/comm/test_persistent.py \
+                    tests/algorithms/test_join.py
 test-nopersistent: venv  ## the JoinableComm tests again without persistent collectives
 	TENSORPLAY_MPI_PERSISTENT=0 $(MAKE) --no-print-directory test-mpi RANKS="1 2 3" \
 	  MPI_TESTS="$(PERSISTENT_TESTS)"
@@ -319,8 +321,8 @@ gpu-check: $(filter $(GPU_VENV)/bin/python,$(GPU_PY))  ## on an NVIDIA GPU with 
 	@mkdir -p benchmarks/results
 	@for n in 1 2; do \
 	  $(GPU_RUN) timeout -k 10 180 $(GPU_MPIEXEC) -n $$n $(GPU_PY) -m mpi4py -m pytest --with-mpi \
-	    -m gpu -q -rs --timeout=60 --timeout-method=thread tests/buffers/test_cupy_mpi.py \
-	    tests/buffers/test_torch_cuda_mpi.py || exit 1; \
+	    -m gpu -q -rs --timeout=60 --timeout-method=thread tests/comm/test_cupy.py \
+	    tests/comm/test_torch_cuda.py || exit 1; \
 	  $(GPU_RUN) timeout -k 10 60 $(GPU_MPIEXEC) -n $$n $(GPU_PY) -m mpi4py \
 	    benchmarks/bench_gpu.py --out benchmarks/results/gpu-$$n-ranks.json || exit 1; \
 	done

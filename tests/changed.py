@@ -9,7 +9,8 @@ merge base with ``origin/HEAD`` when HEAD is ahead of it, else ``HEAD~1``), in t
 - ``tensorplay_mpi/X/...`` -> ``tests/X/``; a module with no folder of its name
   (``tensorplay_mpi/X.py`` or ``tensorplay_mpi/Y/X.py``, a private ``_X.py`` alike) ->
   ``tests/X/``, else the test files named ``test_X*.py``, else those that name it by its dotted
-  path (``tensorplay_mpi.Y._X``, or ``from tensorplay_mpi.Y import _X``);
+  path (``tensorplay_mpi.Y._X``, or ``from tensorplay_mpi.Y import _X``); the facade
+  ``tensorplay_mpi/__init__.py`` -> the API tests in ``tests/project/``;
 - a test file -> itself; a launched program ``tests/programs/P.py`` -> the test files that name
   ``P.py``; a helper module ``tests/H.py`` -> the test files that import it;
 - the docs and README -> ``tests/project/test_docs.py`` (the API pages: the API tests); the
@@ -79,11 +80,11 @@ def targets_of_module(path):
     parts = Path(path).with_suffix("").parts[1:]
     if parts[-1] == "__init__":
         parts = parts[:-1]
-    for name in (parts[0], parts[-1]) if parts else ():
+    if not parts:  # the facade: its names
+        return [PROJECT + "test_api_docs.py", PROJECT + "test_api_index.py"]
+    for name in (parts[0], parts[-1]):
         if (TESTS / name.lstrip("_")).is_dir():
             return [f"tests/{name.lstrip('_')}/"]
-    if not parts:
-        return []
     stem = re.escape(parts[-1].lstrip("_"))
     named = [p for p in all_test_files() if re.fullmatch(rf"test_{stem}(_.*)?\.py", Path(p).name)]
     parent = re.escape(".".join(("tensorplay_mpi", *parts[:-1])))

@@ -13,10 +13,13 @@ CI both; ``make check`` runs the tests of what changed):
    (aborts, signals, killed ranks, exit codes); each rank prints ``RESULT rank=R ...`` lines
    that ``helpers.results`` reads.
 
-The files are grouped by the module they test, a folder each (``join/``, ``comm/``,
-``buffers/``, ``parallel/``, ``optim/``, ``checkpoint/``, ``data/``, ``stopping/``,
-``evaluation/``, ``process/``, ``project/``; docs/testing.md lists them); the helpers beside this
-file (``helpers``, ``toys``, ...) import from any of them (``pythonpath`` in pyproject.toml).
+The test tree mirrors the package: the tests of ``tensorplay_mpi/X/`` are in ``X/`` here
+(``algorithms/``, ``comm/``, ``parallel/``, ``optim/``, ``checkpoint/``, ``evaluation/``), those
+of the root modules in ``data/``, ``stopping/`` and ``process/``; docs/testing.md lists them. A
+file holds the tests of one subject whatever their tier: its serial tests and its MPI tests side
+by side, the marker choosing (``make test-serial`` runs ``-m "not mpi"``, ``make test-mpi``
+``-m mpi``, over the same files). The helpers beside this file (``helpers``, ``toys``, ...)
+import from any folder (``pythonpath`` in pyproject.toml).
 
 The tensorplay_mpi.testing plugin (``-p`` in pyproject.toml) gives the ``comm`` fixture, a fresh
 duplicate of ``COMM_WORLD`` per test that must end with no pending request, and debug mode

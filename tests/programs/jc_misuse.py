@@ -1,4 +1,4 @@
-"""A JoinableComm operation inside dp.step(); run under mpiexec by test_joinable_comm_misuse_mpi.py.
+"""A JoinableComm operation inside dp.step(); run under mpiexec by test_joinable_comm_misuse.py.
 
     mpiexec -n 2 python -m mpi4py tests/programs/jc_misuse.py
 

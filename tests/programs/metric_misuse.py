@@ -1,6 +1,6 @@
 """A torchmetrics metric pickled with ``sync_options(jc)`` and loaded again (its group not given
 back: it syncs over ``MPI.COMM_WORLD``), synced inside a running Join after rank 0 has joined;
-run under mpiexec by tests/evaluation/test_metrics_edges_mpi.py.
+run under mpiexec by tests/evaluation/test_metrics_edges.py.
 
     mpiexec -n 3 python -m mpi4py tests/programs/metric_misuse.py
 

@@ -91,7 +91,7 @@ submit() {  # submit TEMPLATE OUTPUT [sbatch options]: sbatch --wait, then show 
 
 # The one edit a site makes: its account and partition (here, on the command line).
 site=(--account=tensorplay --partition=debug)
-export VENV=$venv EPOCHS=30 TESTS=tests/join/test_join_mpi.py
+export VENV=$venv EPOCHS=30 TESTS=tests/algorithms/test_join.py
 CHECKPOINT=$work/checkpoint-plain submit slurm/train.sbatch "$work/train.out" "${site[@]}" \
   --ntasks-per-node=2 || fail "train.sbatch failed"
 digest=$(grep -o "parameters identical on all 2 ranks: yes (digest [0-9a-f]*)" "$work/train.out") \
