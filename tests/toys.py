@@ -102,3 +102,20 @@ def run(joinables, num_inputs, **join_kwargs):
         for _ in range(num_inputs):
             total += sum(joinable() for joinable in joinables)
     return total
+
+
+class Stepper:
+    """``update=`` in an elastic Join: a bound method of the owner of the state it advances
+    (the library's optimizer is made after the DataParallel, from its ``dp.grads``: set
+    ``opt`` then)."""
+
+    opt = None
+
+    def step(self):
+        self.opt.update()
+
+    def state_dict(self):
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.opt.load_state_dict(state_dict)

@@ -6,7 +6,7 @@ import pickle
 import numpy as np
 import pytest
 from mpi4py import MPI
-from toys import AllReducer
+from toys import AllReducer, Stepper
 
 from tensorplay_mpi import (SGD, Adam, DataParallel, ElasticJoinable, Join, JoinableComm, JoinHook,
                             ZeroRedundancyOptimizer)
@@ -31,20 +31,6 @@ def test_joinables_that_cannot_go_on_are_refused_on_every_rank(comm):
     Join([JoinableComm(comm)], elastic=True)  # nothing to settle: a validation's Join
 
 
-class Stepper:
-    """``update=`` in an elastic Join: a bound method of the owner of the state it advances
-    (the library's optimizer is made after the DataParallel, from its ``dp.grads``)."""
-
-    opt = None
-
-    def step(self):
-        self.opt.update()
-
-    def state_dict(self):
-        return self.opt.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self.opt.load_state_dict(state_dict)
 
 
 @pytest.mark.mpi

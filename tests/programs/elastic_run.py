@@ -43,6 +43,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -50,6 +51,9 @@ from mpi4py import MPI
 from tensorplay_mpi import (SGD, DataParallel, Join, JoinableComm, RanksLostError, checkpoint,
                             request_save)
 from tensorplay_mpi.data import Sampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the toys
+from toys import Stepper  # noqa: E402
 
 SAMPLES, BATCH, EPOCHS, DIM, LR = 240, 8, 3, 5, 0.01
 WHERE = ("top", "backward", "update", "joined")
@@ -71,20 +75,6 @@ def plan(argv, size, seed, places):
     return victims
 
 
-class Stepper:
-    """``update=`` in an elastic Join: the bound method of the owner of the state it advances
-    (the optimizer is made after the DataParallel, from ``dp.grads``)."""
-
-    opt = None
-
-    def step(self):
-        self.opt.update()
-
-    def state_dict(self):
-        return self.opt.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self.opt.load_state_dict(state_dict)
 
 
 def die_if(victims, world_rank, where, applied):

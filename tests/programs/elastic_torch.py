@@ -48,25 +48,14 @@ from mpi4py import MPI
 from tensorplay_mpi import Adam, DataParallel, Join, JoinableComm, RanksLostError
 from tensorplay_mpi.data import Sampler
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the toys
+from toys import Stepper  # noqa: E402
+
 SAMPLES, BATCH, EPOCHS, LENGTH = 120, 5, 2, 6
 LR = {"torch": 0.05, "library": 0.02}
 torch.set_default_dtype(torch.float64)
 
 
-class Stepper:
-    """``update=`` in an elastic Join: the bound method of the owner of the state it advances
-    (this library's optimizer is made after the DataParallel, from ``dp.grads``)."""
-
-    opt = None
-
-    def step(self):
-        self.opt.update()
-
-    def state_dict(self):
-        return self.opt.state_dict()
-
-    def load_state_dict(self, state_dict):
-        self.opt.load_state_dict(state_dict)
 
 
 def make_model(norm):
