@@ -53,6 +53,7 @@ from ..errors import CollectiveMismatchError
 from .._threads import oversubscribed
 from . import _announcements as wire
 from ._guarded_joinable import GuardedJoinable
+from ._kept import OUT, KeptArrays
 from .join import ElasticJoinable, Join, JoinHook
 from ._stream import BlockStream
 
@@ -121,19 +122,16 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         self._iteration = 0
         self._where = "iteration 0"
         self._persistent = self._persistent_everywhere()
-        self._kept: list[np.ndarray] = []  # arrays kept current on every rank (keep())
-        self._kept_given: list[Any] = []  # what the caller passed (arrays or tensors)
-        self._kept_slots: dict[int, int] = {}  # id of a kept array, or of its view -> slot
-        self._kept_updates = np.zeros(1, np.int64)  # results applied to kept arrays
+        self._kept = KeptArrays()  # arrays kept current on every rank (keep())
 
     def elastic_progress(self) -> int | None:
         """The results applied to the kept arrays (:meth:`keep`), when it keeps any, else
         ``None`` (it owns no step)."""
-        return int(self._kept_updates[0]) if self._kept else None
+        return int(self._kept.updates[0]) if self._kept else None
 
     def elastic_state(self) -> list[Any]:
         """The kept arrays and the count of results applied to them."""
-        return [*self._kept, self._kept_updates] if self._kept else []
+        return [*self._kept.arrays, self._kept.updates] if self._kept else []
 
     def move_to(self, comm: MPI.Intracomm) -> None:
         """Work on `comm` from now on (an elastic Join's survivors); the kept arrays stay."""
@@ -195,64 +193,17 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         if join is not None and join.enabled:
             raise RuntimeError("JoinableComm.keep() is collective over every rank: call it "
                                "before the Join, not inside it")
-        refused: Exception | None = None
-        views: list[np.ndarray] = []
-        try:
-            if not arrays:
-                raise TypeError("keep() needs at least one array")
-            for i, given in enumerate(arrays):
-                views.append(_keepable(given, f"kept array {len(self._kept) + i}"))
-                if id(given) in self._kept_slots or any(
-                        np.may_share_memory(views[-1], other) for other in
-                        [*self._kept, *views[:-1]]):
-                    raise ValueError(f"kept array {len(self._kept) + i} is kept already, or "
-                                     "shares memory with a kept array")
-        except (TypeError, ValueError) as error:
-            refused = error
-        layout = [(v.shape, v.dtype.str) for v in [*self._kept, *views]]
+        views, refused = self._kept.views(arrays)
+        layout = [(v.shape, v.dtype.str) for v in [*self._kept.arrays, *views]]
         self._check_arguments(refused, layout, "kept arrays (shapes and dtypes, in order)",
                               f"{layout}")
-        for given, view in zip(arrays, views):
-            slot = len(self._kept)
-            self._kept.append(view)
-            self._kept_given.append(given)  # holds it: its id stays this array's
-            self._kept_slots[id(given)] = self._kept_slots[id(view)] = slot
+        self._kept.add(arrays, views)
         return arrays[0] if len(arrays) == 1 else arrays
 
     @property
     def kept(self) -> tuple[Any, ...]:
         """The kept arrays, as given to :meth:`keep`, in slot order."""
-        return tuple(self._kept_given)
-
-    def _kept_code(self, x: Any, op_code: int, out: Any, into: Any) -> int:
-        """The announced use of a kept array, ``slot << 2 | mode`` (mode 1: ``out=``, 2:
-        ``into=``), or 0; ``ValueError`` for an `into` that is not kept or not like `x`."""
-        if into is None:
-            slot = self._kept_slots.get(id(out))
-            return 0 if slot is None else slot << 2 | _KEPT_OUT
-        slot = self._kept_slots.get(id(into))
-        if slot is None:
-            raise ValueError("into= takes an array kept with jc.keep() (every rank applies "
-                             "the result to it, joined ones too)")
-        if out is not None and id(out) in self._kept_slots:
-            raise ValueError("pass a kept array as out= or as into=, not both")
-        kept = self._kept[slot]
-        if kept.shape != np.shape(x) or kept.dtype != x.dtype:
-            raise ValueError(f"into= must be shaped and typed like the input: {np.shape(x)} "
-                             f"{x.dtype}, got kept array {slot}, {kept.shape} {kept.dtype}")
-        if OPS[op_code - 1] not in _ACCUMULATE:
-            raise ValueError(f"into= accumulates with {', '.join(_ACCUMULATE)}, not "
-                             f"MPI.{OPS[op_code - 1]}")
-        return slot << 2 | _KEPT_INTO
-
-    def _apply_kept(self, code: int, op_code: int, result: np.ndarray) -> None:
-        """Apply an operation's `result` (flat or shaped) to the kept array `code` names."""
-        kept = self._kept[code >> 2]
-        if code & 3 == _KEPT_INTO:
-            _ACCUMULATE[OPS[op_code - 1]](kept, result.reshape(kept.shape), out=kept)
-        elif not np.may_share_memory(kept, result):  # out= a kept array: written already
-            kept.reshape(-1)[...] = result.reshape(-1)
-        self._kept_updates += 1
+        return tuple(self._kept.given)
 
     # -- iterations ------------------------------------------------------------------------
 
@@ -437,7 +388,7 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
             op_code = wire.OP_CODES.get(id(op)) or wire.code_of_op(op)
             if x.dtype.kind not in wire.OP_KINDS[OPS[op_code - 1]]:
                 wire.refuse_op(op_code, x.dtype)
-            kept = self._kept_code(x, op_code, out, into) if self._kept else 0
+            kept = self._kept.code(x, op_code, out, into) if self._kept else 0
             if kept and not wait:
                 raise ValueError("a kept array takes the blocking allreduce and bcast (the "
                                  "result is applied before they return), not iallreduce")
@@ -446,7 +397,7 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
             self._refuse(error)
         if kept:
             value = self._allreduce_data(x, op, op_code, code, out, result, True, kept)
-            self._apply_kept(kept, op_code, out)
+            self._kept.apply(kept, op_code, out)
             return value
         return self._allreduce_data(x, op, op_code, code, out, result, wait, 0)
 
@@ -540,14 +491,14 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
     def _bcast(self, x: Any, root: int | str, out: Any, wait: bool) -> Any:
         """:meth:`ibcast` (`wait` False: a Work) or :meth:`bcast` (the result); a kept `out`
         receives it on every rank (:meth:`keep`)."""
-        kept = self._kept_slots.get(id(out)) if self._kept else None
+        kept = self._kept.slot(out) if self._kept else None
         if kept is None:
             return self._bcast_data(x, root, out, wait, 0)
         if not wait:
             self._refuse(ValueError("a kept array takes the blocking allreduce and bcast (the "
                                     "result is applied before they return), not ibcast"))
-        value = self._bcast_data(x, root, out, True, kept << 2 | _KEPT_OUT)
-        self._kept_updates += 1
+        value = self._bcast_data(x, root, out, True, kept << 2 | OUT)
+        self._kept.updates += 1
         return value
 
     def _bcast_data(self, x: Any, root: int | str, out: Any, wait: bool, kept: int) -> Any:
@@ -702,30 +653,9 @@ _JOINED = 0
 def _variant(persistent: bool, floats: bool, kept: int) -> int:
     """The announced variant of an allreduce (in the row digest's field): whether it goes
     through a persistent collective while every rank is active, whether its floats travel
-    as ordered integers, and the use of a kept array (:meth:`JoinableComm._kept_code`).
+    as ordered integers, and the use of a kept array (:meth:`.KeptArrays.code`).
     Active ranks must agree on all three."""
     return int(persistent) | int(floats) << 1 | kept << 2
-
-
-_KEPT_OUT, _KEPT_INTO = 1, 2  # a kept array's use: receives the result, accumulates it
-_ACCUMULATE = {"SUM": np.add, "PROD": np.multiply, "MAX": np.maximum, "MIN": np.minimum,
-               "LAND": np.logical_and, "LOR": np.logical_or, "LXOR": np.logical_xor,
-               "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}
-"""What ``into=`` does with a result, per op: the op's NumPy ufunc (NaN: as ``np.maximum``)."""
-
-
-def _keepable(given: Any, name: str) -> np.ndarray:
-    """`given` as the host array :meth:`JoinableComm.keep` keeps; ``TypeError``/``ValueError``
-    for a device array, a dtype the announcements lack, or a read-only or misordered one."""
-    array = as_array(given, name)
-    if type(array) is not np.ndarray and not isinstance(array, np.ndarray):
-        raise TypeError(f"{name}: keep() takes host arrays (NumPy, torch CPU tensors), got "
-                        f"{type(given).__name__}")
-    wire.dtype_code(array.dtype)
-    if not array.flags.writeable or not array.flags.c_contiguous:
-        raise ValueError(f"{name} must be writeable and C-contiguous (results are written "
-                         "into it)")
-    return array.view(np.ndarray)
 
 
 def _check_root(root: int, active: bool) -> None:
@@ -767,14 +697,15 @@ class _FollowAnnouncements(JoinHook):
                 continue
             if kind == wire.CARRIED_ALLREDUCE:
                 if rows >> 2:
-                    self._keep_carried(op, code, count, rows)
+                    jc._kept.apply_carried(rows >> 2, op, code, count, bool(rows & 2),
+                                           jc._announcement)
                 continue
             if kind == wire.CARRIED_BCAST:
                 _check_root(root, root == -1 or root_active == 1)
                 if rows >> 2:
-                    kept = jc._kept[rows >> 4]
+                    kept = jc._kept.arrays[rows >> 4]
                     data = jc._announcement[wire.PAYLOAD_AT:].tobytes()[:kept.nbytes]
-                    jc._apply_kept(rows >> 2, 0, np.frombuffer(data, kept.dtype))
+                    jc._kept.apply(rows >> 2, 0, np.frombuffer(data, kept.dtype))
                 continue
             if kind == wire.REFUSED:
                 raise KINDS[op - 1](
@@ -786,9 +717,9 @@ class _FollowAnnouncements(JoinHook):
                 jc._wait(iallreduce(jc.comm, contribution, received, wire.OP_OBJECTS[op - 1],
                                     f"allreduce ({jc._where})"))
                 if rows >> 2:  # floats as ordered integers: back to the kept dtype
-                    values = (wire.float_values(received, jc._kept[rows >> 4].dtype)
+                    values = (wire.float_values(received, jc._kept.arrays[rows >> 4].dtype)
                               if rows & 2 else received)
-                    jc._apply_kept(rows >> 2, op, values)
+                    jc._kept.apply(rows >> 2, op, values)
             elif kind == wire.ALLGATHER:
                 jc._wait(jc._gather_rows(np.empty((0, count), dtype), _JOINED))
             else:
@@ -797,13 +728,4 @@ class _FollowAnnouncements(JoinHook):
                 received = self._shadow_buffers(0, count, dtype)[1]
                 jc._wait(ibcast(jc.comm, received, target, f"bcast from {target} ({jc._where})"))
                 if rows >> 2:
-                    jc._apply_kept(rows >> 2, 0, received)
-
-    def _keep_carried(self, op: int, code: int, count: int, rows: int) -> None:
-        """Apply an allreduce the announcement carried to the kept array it names."""
-        jc = self.jc
-        keys = jc._announcement[wire.PAYLOAD_AT:wire.PAYLOAD_AT + count]
-        data = wire.from_order_keys(keys, wire.DTYPES[code - 1], wire.reversed_keys(op))
-        if rows & 2:  # floats, as ordered integers
-            data = wire.float_values(data, jc._kept[rows >> 4].dtype)
-        jc._apply_kept(rows >> 2, op, data)
+                    jc._kept.apply(rows >> 2, 0, received)
