@@ -270,18 +270,43 @@ def exit_for_requeue(status: int = REQUEUE_STATUS) -> NoReturn:
     "Killed" (137), losing the status.  Under a fault-tolerant launch the finalize runs under
     the exit's watchdog, never a silent hang.
 
+    A rank that calls it while its peers do not (they go on working) waits for them in
+    ``MPI_Finalize``; after :data:`EXIT_WATCHDOG_S` it prints where it is and exits with status
+    1 instead of hanging silently.
+
     Raises
     ------
     SystemExit
-        Always, with `status`.
+        With `status`, after MPI is finalized.
+    TypeError
+        If `status` is not an int (a string read from the environment, say).
+    ValueError
+        If `status` is not an exit status (0 to 255).
+    RuntimeError
+        Inside a running Join: MPI cannot be finalized under its pending operations; call it
+        after the ``with`` block.
     """
+    if isinstance(status, bool) or not isinstance(status, int):
+        raise TypeError(f"exit_for_requeue() takes an int status, got {status!r}")
+    if not 0 <= status <= 255:
+        raise ValueError(f"exit_for_requeue() takes an exit status from 0 to 255, got {status}")
+    join = sys.modules.get("tensorplay_mpi.algorithms.join")  # not imported by this layer
+    if join is not None and join._running:
+        raise RuntimeError("exit_for_requeue() inside a running Join: call it after the `with "
+                           "Join(...)` block (on every rank), once the checkpoint is written")
     sys.stdout.flush()
     sys.stderr.flush()
     if MPI.Is_initialized() and not MPI.Is_finalized():
-        if fault_tolerance()[0]:
-            faulthandler.dump_traceback_later(FINALIZE_WATCHDOG_S, exit=True)
+        faulthandler.dump_traceback_later(
+            FINALIZE_WATCHDOG_S if fault_tolerance()[0] else EXIT_WATCHDOG_S, exit=True)
         MPI.Finalize()
     sys.exit(status)
+
+
+EXIT_WATCHDOG_S = 120.0
+"""How long :func:`exit_for_requeue` waits in ``MPI_Finalize`` for the other ranks (they call
+it at the same point after a stop: their checkpoint writes are done) before it prints where
+it is and exits with status 1."""
 
 
 atexit.register(_at_exit)  # after mpi4py's own: runs before MPI_Finalize

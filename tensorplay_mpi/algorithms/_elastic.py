@@ -41,8 +41,9 @@ from mpi4py import MPI
 
 from ..comm import _torch_cuda as torch_cuda
 from ..comm._buffers import copy_into
-from ..comm._agreement import agree
+from ..comm._agreement import agree, same_everywhere
 from ..comm._collectives import iallgather, iallreduce, ibcast
+from ..comm._digests import layout_digest
 from ..comm._fault_tolerance import fault_tolerance, is_process_failure
 from ..comm._guard import Guard
 from ..comm._shrink import none_lost, shrink
@@ -71,11 +72,14 @@ def check_elastic(joinables: Sequence[Any]) -> None:
             "the settle needs one count of steps, so one joinable owns the step (a "
             "JoinableComm that keeps arrays in a Join of its own, say)")
     companions(joinables)  # a DataParallel's update= that cannot be settled raises here
-    if progress(joinables) is None and any(j.needs_step_owner for j in joinables):
+    steps = [j for j in joinables if j.elastic_progress() is not None
+             and not getattr(j, "_counts_own_results", False)]  # a JoinableComm's kept
+    if not steps and any(j.needs_step_owner for j in joinables):  # results are no step
         raise ValueError(
             "Join(elastic=True) needs the joinable that applies the step in the Join, to "
             "settle an interrupted step: DataParallel(..., update=...) or Join([dp, opt]) "
-            "with one of the library's optimizers")
+            "with one of the library's optimizers (a JoinableComm's kept arrays count its "
+            "own results, not the DataParallel's steps)")
 
 
 def update_owner(update: Callable[[], Any]) -> Any:
@@ -274,6 +278,15 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
     step, root = _settled_step(comm, progress(joinables) or 0, timeout)
     owners = companions(joinables)
     arrays = list({id(a): a for j in joinables for a in j.elastic_state()}.values())
+    layout = [(type(j).__name__, [(np.shape(a), np.dtype(a.dtype).str) for a in
+                                  j.elastic_state()]) for j in joinables]
+    if not same_everywhere(lambda pair: iallreduce(comm, MPI.IN_PLACE, pair, MPI.MAX,
+                                                    "elastic settle: layouts"),
+                           layout_digest(layout), timeout):
+        raise ValueError(
+            f"rank {comm.Get_rank()}: the survivors' elastic_state() arrays differ in number, "
+            f"shape or dtype (this rank's: {layout}); an ElasticJoinable's state must be laid "
+            "out alike on every rank, so that a survivor behind can receive another's")
     received = arrays if comm.Get_rank() == root else [a.copy() for a in arrays]  # scratch:
     works = [ibcast(comm, a, root, f"elastic settle: state {i + 1} of {len(received)}")
              for i, a in enumerate(received)]  # adopted once every rank has it

@@ -93,7 +93,7 @@ class Joinable(ABC):
         """Arrays that must be identical on every rank (parameters, replicated optimizer state).
 
         After a failure every rank caught at the same point, the next Join on the communicator
-        compares a digest of them across ranks (:mod:`tensorplay_mpi.replicas`).  The default
+        compares a digest of them across ranks (the replica check).  The default
         is none.
         """
         return []

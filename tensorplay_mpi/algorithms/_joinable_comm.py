@@ -106,6 +106,7 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
     """
 
     _orders_blocks = True  # its announcements order a Join's other blocks (Join.announce)
+    _counts_own_results = True  # its elastic progress counts kept results, not model steps
 
     def __init__(self, comm: MPI.Intracomm | None = None, timeout: float | None = None) -> None:
         super().__init__(comm, timeout)  # device: of the last array seen (joined ranks: host)
@@ -218,6 +219,7 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
     def _begin(self, join: Join | None) -> None:
         """Start an iteration of this JoinableComm in `join` (``None``: outside any)."""
         self._next_iteration("")
+        self._kept.used = False
         self._owner = join if join is not None and join.enabled else None
         self._others = [] if self._owner is None else [
             j for j in self._owner.joinables if j is not self
@@ -236,6 +238,11 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         self._start_operation()
         if self._ranks_joined():
             self._announce(wire.BLOCK, count=index)
+
+    def _elastic_owner(self) -> bool:
+        """Whether this rank runs an iteration of an elastic Join of this JoinableComm."""
+        join = self.join_context
+        return join is not None and join.enabled and join.elastic and not join.runs_everywhere
 
     def _next_iteration(self, side: str) -> None:
         """Count an iteration, active or (`side` ``", joined"``) shadowed: errors name it."""
@@ -375,7 +382,7 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         ``allreduce`` (not ``iallreduce``) for it, with a host array.  An `out` kept with
         :meth:`keep` receives the result on every rank, joined ones too; `into`, a kept array
         shaped and typed like `x`, accumulates it there (``into = op(into, result)``) on every
-        rank.
+        rank, and the reduced value (not the accumulated one) is returned.
         """
         return self._allreduce(x, op, out, True, into)
 
@@ -388,11 +395,14 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
             op_code = wire.OP_CODES.get(id(op)) or wire.code_of_op(op)
             if x.dtype.kind not in wire.OP_KINDS[OPS[op_code - 1]]:
                 wire.refuse_op(op_code, x.dtype)
-            kept = self._kept.code(x, op_code, out, into) if self._kept else 0
+            kept = self._kept.code(x, op_code, out, into) if self._kept or into is not None \
+                else 0
             if kept and not wait:
                 raise ValueError("a kept array takes the blocking allreduce and bcast (the "
                                  "result is applied before they return), not iallreduce")
             out, result = _output(x, out, given)
+            if kept:
+                self._kept.use_once_per_iteration(self._elastic_owner())
         except (TypeError, ValueError) as error:
             self._refuse(error)
         if kept:
@@ -491,12 +501,17 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
     def _bcast(self, x: Any, root: int | str, out: Any, wait: bool) -> Any:
         """:meth:`ibcast` (`wait` False: a Work) or :meth:`bcast` (the result); a kept `out`
         receives it on every rank (:meth:`keep`)."""
-        kept = self._kept.slot(out) if self._kept else None
+        try:
+            kept = self._kept.out_slot(out) if self._kept else None
+            if kept is not None and not wait:
+                raise ValueError("a kept array takes the blocking allreduce and bcast (the "
+                                 "result is applied before they return), not ibcast")
+            if kept is not None:
+                self._kept.use_once_per_iteration(self._elastic_owner())
+        except ValueError as error:
+            self._refuse(error)
         if kept is None:
             return self._bcast_data(x, root, out, wait, 0)
-        if not wait:
-            self._refuse(ValueError("a kept array takes the blocking allreduce and bcast (the "
-                                    "result is applied before they return), not ibcast"))
         value = self._bcast_data(x, root, out, True, kept << 2 | OUT)
         self._kept.updates += 1
         return value

@@ -29,6 +29,7 @@ class KeptArrays:
         self.given: list[Any] = []  # what the caller passed (arrays or tensors): held, so
         self._slots: dict[int, int] = {}  # their ids stay theirs; id -> slot
         self.updates = np.zeros(1, np.int64)  # results applied (settled in place)
+        self.used = False  # a kept array was used in this iteration (of an elastic Join)
 
     def __bool__(self) -> bool:
         return bool(self.arrays)
@@ -63,17 +64,45 @@ class KeptArrays:
         """The slot of `array` if it is kept (by identity), else ``None``."""
         return self._slots.get(id(array))
 
+    def out_slot(self, out: Any) -> int | None:
+        """The slot of `out` if it is kept, else ``None``; ``ValueError`` for a view of a kept
+        array (``k[...]``, ``t.numpy()``): it would be written on the active ranks only."""
+        slot = self.slot(out)
+        if slot is None and out is not None:
+            try:
+                view = as_array(out, "out")
+            except TypeError:
+                return None
+            if any(np.may_share_memory(view, kept) for kept in self.arrays):
+                raise ValueError("out= shares memory with a kept array without being it: pass "
+                                 "the kept array itself (the object given to jc.keep()), so "
+                                 "that every rank writes it")
+        return slot
+
+    def use_once_per_iteration(self, elastic: bool) -> None:
+        """Count a use of a kept array in this iteration; in an elastic Join, a second one is
+        a ``ValueError`` (the settle brings the kept arrays to a count of results, and a loop
+        redoes whole iterations)."""
+        if elastic and self.used:
+            raise ValueError(
+                "an elastic Join allows one call with a kept array per iteration: after a lost "
+                "rank the survivors adopt the kept arrays of the one that applied the most "
+                "results, and a loop redoes its interrupted iteration whole, so a second call "
+                "would be applied twice; put the values in one kept array (np.concatenate) or "
+                "leave elastic off")
+        self.used = True
+
     def code(self, x: Any, op_code: int, out: Any, into: Any) -> int:
         """The announced use of a kept array by an allreduce of `x`, ``slot << 2 | mode``, or
         0; ``ValueError`` for an `into` that is not kept or not like `x`."""
         if into is None:
-            slot = self.slot(out)
+            slot = self.out_slot(out)
             return 0 if slot is None else slot << 2 | OUT
         slot = self.slot(into)
         if slot is None:
             raise ValueError("into= takes an array kept with jc.keep() (every rank applies "
                              "the result to it, joined ones too)")
-        if out is not None and self.slot(out) is not None:
+        if out is not None and self.out_slot(out) is not None:
             raise ValueError("pass a kept array as out= or as into=, not both")
         kept = self.arrays[slot]
         if kept.shape != np.shape(x) or kept.dtype != x.dtype:

@@ -357,3 +357,14 @@ def test_an_elastic_joinable_without_move_to_cannot_be_made(comm):
 
     with raises_everywhere(TypeError, match="move_to"):
         NoMove()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_elastic_states_laid_out_differently_raise_on_every_survivor(comm):
+    """elastic_state() arrays of another shape on one rank would be received in part, or
+    truncate: the settle compares their layout first (ValueError on every rank)."""
+    summer = RunningSum(comm)
+    if comm.rank == 1:
+        summer.total = np.zeros(3)
+    with raises_everywhere(ValueError, match="elastic_state.. arrays differ"):
+        elastic.settle(comm, [summer], 60.0)

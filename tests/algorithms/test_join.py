@@ -12,7 +12,7 @@ from toys import AFTER_CONSTANT, AllReducer, NoInit, run
 from tensorplay_mpi import EarlyTerminationError, Join, Joinable, JoinHook, Work
 from tensorplay_mpi.algorithms import join as join_module
 from tensorplay_mpi.comm import iallreduce
-from tensorplay_mpi.testing import PATTERNS, active_counts, assert_all, inputs_of
+from tensorplay_mpi.testing import PATTERNS, active_counts, assert_all, inputs_of, raises_everywhere
 
 def test_public_names_import_from_both_places():
     assert join_module.Join is Join
@@ -333,3 +333,13 @@ def test_work_wait_timeout_leaves_the_request_pending(comm):
     work.wait()
     assert_all(comm.rank != 0 or (timed_out and premature), f"{timed_out=} {premature=}")
     assert_all(work.is_completed() and buf[0] == comm.size, f"result {buf[0]}")
+
+
+@pytest.mark.mpi
+def test_exit_for_requeue_inside_a_join_raises_on_every_rank(comm):
+    """MPI cannot be finalized under a running Join's operations: a RuntimeError, not an exit
+    whose status MPICH's errors would replace."""
+    from tensorplay_mpi import exit_for_requeue
+    with Join([AllReducer(comm)]):
+        with raises_everywhere(RuntimeError, match="after the `with Join"):
+            exit_for_requeue()

@@ -177,3 +177,57 @@ def test_a_joinable_comm_that_keeps_arrays_owns_the_step_in_an_elastic_join(comm
         Join([dp, SGD(dp.params, dp.grads, lr=1.0), jc], elastic=True)
     assert_all(ok, f"rank {comm.rank}: settled {total} at {step} from {root}, expected "
                    f"{expected}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_into_or_a_view_that_is_not_kept_raises_everywhere_joined_ranks_too(comm):
+    """into= without keep() (it would be ignored), and out= a view of a kept array (it would
+    be written on the active ranks only): ValueError on every rank, rank 0 joined."""
+    jc = JoinableComm(comm)
+    with raises_everywhere(ValueError, match="into= takes an array kept"):
+        jc.allreduce(np.ones(2), into=np.zeros(2))  # nothing kept yet
+    total = jc.keep(np.zeros(3))
+    for call in (lambda: jc.allreduce(np.ones(3), out=total[...]),
+                 lambda: jc.bcast(np.ones(3), out=total.reshape(3)),
+                 lambda: jc.allreduce(np.ones(2), into=np.zeros(2))):
+        with raises_everywhere(ValueError, match="kept|had a bad argument"):  # the joined
+            with Join([jc]):
+                for _ in range(0 if comm.rank == 0 else 1):
+                    jc.begin_iteration()
+                    call()
+    assert_all(not total.any(), f"rank {comm.rank}: kept {total} after refused calls")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_elastic_join_takes_one_kept_call_per_iteration(comm):
+    """A second call with a kept array in one iteration of an elastic Join would be applied
+    twice when a loss makes the loop redo the iteration: ValueError on every rank, the joined
+    one too; outside an elastic Join two are fine."""
+    jc = JoinableComm(comm)
+    total, best = jc.keep(np.zeros(2), np.zeros(1))
+    with raises_everywhere(ValueError, match="one call with a kept array per iteration|"
+                                             "had a bad argument"):  # the joined rank's
+        with Join([jc], elastic=True):
+            for _ in range(0 if comm.rank == 0 else 2):
+                jc.begin_iteration()
+                jc.allreduce(np.ones(2), into=total)
+                jc.bcast(np.ones(1), out=best)
+    with Join([jc]):
+        for _ in range(0 if comm.rank == 0 else 2):
+            jc.begin_iteration()
+            jc.allreduce(np.ones(2), into=total)
+            jc.allreduce(np.ones(1), MPI.MAX, into=best)
+    active = comm.size - 1
+    ok = total.tolist() == [active + 2 * active] * 2 and best[0] == 1.0
+    assert_all(ok, f"rank {comm.rank}: total {total}, best {best}")
+
+
+@pytest.mark.mpi
+def test_kept_results_never_stand_in_for_a_data_parallel_step_owner(comm):
+    """Join([dp, jc], elastic=True) with kept arrays but no optimizer: the kept count is no
+    step of the DataParallel's, so the Join is refused as without them."""
+    jc = JoinableComm(comm)
+    jc.keep(np.zeros(2))
+    dp = DataParallel([np.zeros(2)], comm=comm)
+    with raises_everywhere(ValueError, match="needs the joinable that applies the step"):
+        Join([dp, jc], elastic=True)

@@ -7,7 +7,8 @@ import pytest
 from helpers import PROGRAMS, results
 from mpi4py import MPI
 
-from tensorplay_mpi import SGD, request_save, request_stop, save_requested, stop_requested
+from tensorplay_mpi import (SGD, exit_for_requeue, request_save, request_stop, save_requested,
+                            stop_requested)
 from tensorplay_mpi import _resets
 from tensorplay_mpi._process import set_up
 from tensorplay_mpi._resets import register, reset_all
@@ -158,3 +159,13 @@ def test_an_exception_in_one_ranks_loop_prints_one_error_per_rank(nprocs):
             in result.stderr, result.stderr
     for noise in ("RuntimeError", "Exception ignored", "freeing inactive persistent request"):
         assert noise not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("status, error", [("75", TypeError), (75.0, TypeError),
+                                           (True, TypeError), (256, ValueError),
+                                           (-1, ValueError)])
+def test_exit_for_requeue_refuses_a_status_that_is_none(status, error):
+    """A status read from the environment ("75") would exit 1, 256 would exit 0: refused,
+    before MPI is finalized."""
+    with pytest.raises(error, match="exit_for_requeue"):
+        exit_for_requeue(status)
