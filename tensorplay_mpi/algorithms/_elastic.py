@@ -277,9 +277,10 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
     """
     step, root = _settled_step(comm, progress(joinables) or 0, timeout)
     owners = companions(joinables)
-    arrays = list({id(a): a for j in joinables for a in j.elastic_state()}.values())
-    layout = [(type(j).__name__, [(np.shape(a), np.dtype(a.dtype).str) for a in
-                                  j.elastic_state()]) for j in joinables]
+    states = [j.elastic_state() for j in joinables]  # once: it writes the counters' arrays
+    arrays = list({id(a): a for state in states for a in state}.values())
+    layout = [(type(j).__name__, [(np.shape(a), np.dtype(a.dtype).str) for a in state])
+              for j, state in zip(joinables, states)]
     if not same_everywhere(lambda pair: iallreduce(comm, MPI.IN_PLACE, pair, MPI.MAX,
                                                     "elastic settle: layouts"),
                            layout_digest(layout), timeout):
