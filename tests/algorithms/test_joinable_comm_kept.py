@@ -231,3 +231,39 @@ def test_kept_results_never_stand_in_for_a_data_parallel_step_owner(comm):
     dp = DataParallel([np.zeros(2)], comm=comm)
     with raises_everywhere(ValueError, match="needs the joinable that applies the step"):
         Join([dp, jc], elastic=True)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", UNEVEN)
+def test_kept_arrays_beside_a_data_parallel_stay_current_on_joined_ranks(comm, pattern):
+    """Join([dp, jc]), not elastic: the DataParallel leads the iterations, the kept sum and
+    the kept latest mean gradient (bcast from the highest active rank) are applied on joined
+    ranks too; each equals NumPy's over the active ranks' values, and the averaged gradients
+    are the active ranks' sum over the world size (``divide_by_initial_world_size``, torch's
+    default) in every iteration."""
+    inputs = inputs_of(pattern, comm.size)
+    dp = DataParallel([np.zeros(3)], comm=comm)
+    jc = JoinableComm(comm)
+    total, latest = jc.keep(np.zeros(4), np.zeros(3))
+    wrong_grads = []
+    with Join([dp, jc]):
+        for t in range(inputs[comm.rank]):
+            with dp.step():
+                dp.grads[0][...] = values(comm.rank, t, 3)
+            jc.allreduce(values(comm.rank, t, 4), into=total)
+            jc.bcast(dp.grads[0], out=latest)
+            active = [r for r, n in enumerate(inputs) if n > t]
+            mean = sum(values(r, t, 3) for r in active) / comm.size
+            if not np.allclose(dp.grads[0], mean, rtol=1e-15, atol=0):
+                wrong_grads.append(t)
+    expected_total = np.zeros(4)
+    expected_latest = np.zeros(3)
+    for t in range(max(inputs, default=0)):
+        active = [r for r, n in enumerate(inputs) if n > t]
+        expected_total += sum(values(r, t, 4) for r in active)
+        expected_latest = sum(values(r, t, 3) for r in active) / comm.size
+    ok = (np.array_equal(total, expected_total) and not wrong_grads
+          and np.allclose(latest, expected_latest, rtol=1e-15, atol=0))
+    assert_all(ok, f"rank {comm.rank} ({inputs[comm.rank]} of {inputs}): total {total} "
+                   f"(NumPy {expected_total}), latest {latest} (NumPy {expected_latest}), "
+                   f"gradients wrong in iterations {wrong_grads}")
