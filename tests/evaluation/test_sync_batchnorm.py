@@ -135,6 +135,60 @@ def test_different_channel_counts_raise_on_every_rank(comm, affine):
         layer(torch.ones(4, channels, dtype=torch.float64))
 
 
+def narrow_batches(size, channels=3, length=5):
+    """Every rank's batch (float64), sizes 2, 3, 4, ...; channel 0's mean far from zero (where
+    a variance from float32 sums of squares would lose digits), channel 1's small."""
+    g = torch.Generator().manual_seed(7)
+    offsets = torch.tensor([300.0, 0.01, -2.0], dtype=torch.float64)[:channels]
+    return [torch.randn(2 + r, channels, length, generator=g, dtype=torch.float64)
+            + offsets[None, :, None] for r in range(size)]
+
+
+def batchnorm_grads(xs, dtype, layer=None, first=0):
+    """The output, the inputs' gradients and the weight's and bias's for the loss
+    ``sum(y * (arange % 7))`` over the concatenated batch, with serial ``torch.nn.BatchNorm1d``
+    in `dtype` (or `layer` on this rank's batch, whose `first` sample is the concatenation's:
+    each rank's own part of the same loss)."""
+    channels = xs[0].shape[1]
+    serial = layer is None
+    layer = torch.nn.BatchNorm1d(channels).to(dtype) if serial else layer
+    with torch.no_grad():
+        layer.weight.copy_(torch.linspace(0.5, 2.0, channels))
+        layer.bias.copy_(torch.linspace(-1.0, 1.0, channels))
+    xs = [x.detach().to(dtype).clone().requires_grad_() for x in xs]
+    x = torch.cat(xs) if serial else xs[0]
+    y = layer(x)
+    start = first * y[0].numel()
+    (y * torch.arange(start, start + y.numel()).reshape(y.shape).remainder(7)).sum().backward()
+    return [t.detach().double() for t in (y, *(x.grad for x in xs), layer.weight.grad,
+                                          layer.bias.grad)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_narrow_models_are_as_exact_as_serial_batchnorm(comm, dtype):
+    """A float32 or bfloat16 layer, every rank's batch: the output, the input gradient and the
+    weight's and bias's (summed over the ranks, as DataParallel does) are within a few times
+    serial BatchNorm's own error in that dtype of the float64 replay."""
+    dtype = getattr(torch, dtype)
+    xs = narrow_batches(comm.size)
+    exact = batchnorm_grads(xs, torch.float64)
+    serial = batchnorm_grads(xs, dtype)
+    layer = SyncBatchNorm(3, process_group=comm).to(dtype)
+    rows = [sum(len(x) for x in xs[:comm.rank]), sum(len(x) for x in xs[:comm.rank + 1])]
+    mine = batchnorm_grads([xs[comm.rank]], dtype, layer, rows[0])
+    summed = [torch.from_numpy(comm.allreduce(t.numpy())) for t in mine[2:]]
+    ours = [mine[0], mine[1], *summed]
+    theirs = [serial[0][rows[0]:rows[1]], serial[1 + comm.rank], *serial[-2:]]
+    reference = [exact[0][rows[0]:rows[1]], exact[1 + comm.rank], *exact[-2:]]
+    ulp = torch.finfo(dtype).eps
+    worse = [(name, float((o - r).abs().max()), float((t - r).abs().max()))
+             for name, o, t, r in zip(("output", "input grad", "weight grad", "bias grad"),
+                                      ours, theirs, reference)
+             if (o - r).abs().max() > 4 * (t - r).abs().max() + 4 * ulp * r.abs().max()]
+    assert_all(not worse, f"(name, our error, serial {dtype}'s error): {worse}")
+
+
 def test_convert_shares_parameters_and_state_and_keeps_the_rest():
     net = Net()
     net.norm.running_mean += 1
