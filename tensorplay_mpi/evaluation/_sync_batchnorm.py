@@ -60,25 +60,26 @@ from mpi4py import MPI
 from ..algorithms._joinable_comm import JoinableComm
 from ..algorithms.join import JOIN_CHECK, Join
 from ..comm._tensors import host_array
+from ..errors import CollectiveMismatchError
 from ..parallel._data_parallel import current_step
 from .metrics import StatesDiffer, group_of, group_size, overlap, reduce_states
 
 
-def _sums(group: Any, floats: torch.Tensor, counts: np.ndarray | None = None,
-          check: bool = False) -> tuple:
-    """`floats` (float64) summed over the group's ranks, and `counts` (int64) when given;
-    with `check`, every rank's number of channels is compared first (see reduce_states): the
-    forward pass checks, so the backward pass (the same lengths) need not."""
-    states: dict[str, Any] = {"sums": host_array(floats, "sums")}  # 2C numbers: the host
-    if counts is not None:
-        states["counts"] = counts
+def _sums(group: Any, local: np.ndarray, channels: int, check: bool = False) -> np.ndarray:
+    """`local` (float64, host) summed over the group's ranks: one allreduce.
+
+    With `check` (the forward pass; the backward pass has the same lengths), ranks with
+    different numbers of `channels` raise ``ValueError`` on every rank: over a communicator
+    through a comparison first (see reduce_states); through a JoinableComm, whose
+    announcement compares the element counts before any data moves, without one."""
+    joinable = isinstance(group, JoinableComm)
     try:
-        totals = reduce_states(states, group, check=check)
-    except StatesDiffer:
+        return reduce_states({"sums": local}, group, check=check and not joinable)["sums"]
+    except (StatesDiffer, CollectiveMismatchError) as error:
+        if not check or (joinable and not isinstance(error, CollectiveMismatchError)):
+            raise
         raise ValueError(f"SyncBatchNorm: ranks have different numbers of channels (this rank "
-                         f"{floats.numel() // 2}): every rank must run the same model") from None
-    return (torch.from_numpy(totals["sums"]).to(floats.device),
-            None if counts is None else totals["counts"].tolist())
+                         f"{channels}): every rank must run the same model") from error
 
 
 def _refuse(group: Any, error: Exception) -> NoReturn:
@@ -187,15 +188,25 @@ def _working(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def _per_channel(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Per-channel float64 `values` as a ``(1, C, 1)`` tensor of `like`'s dtype."""
-    return values.to(like.dtype)[None, :, None]
+def _vector(values: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """Per-channel float64 `values` as a tensor of `like`'s dtype and device."""
+    return torch.from_numpy(values).to(like.device, like.dtype)
+
+
+def _per_channel(values: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """Per-channel `values` shaped ``(1, C, 1)`` to scale a batch `like` (:func:`_by_channel`)."""
+    return _vector(values, like)[None, :, None]
+
+
+def _host(sums: torch.Tensor) -> np.ndarray:
+    return host_array(sums, "sums")
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """The statistics of every rank's batch, summed in float64 (2C numbers); the passes over
-    the batch in its own dtype (float32 for narrower floats), with torch's kernel for the
-    normalisation: the same work per element as serial BatchNorm."""
+    """The statistics of every rank's batch, summed in float64 (one allreduce of 2C + 4
+    numbers); the per-channel arithmetic in NumPy; the passes over the batch in its own dtype
+    (float32 for narrower floats), the normalisation in torch's kernel: the same work per
+    element as serial BatchNorm, but a float64 copy for the sums of squares."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
@@ -205,60 +216,62 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         channels = x.shape[1]
         flat = _by_channel(x.detach())
         wide = flat.double()  # exact squares: the variance of a batch whose mean is far from 0
-        local = torch.cat([wide.sum((0, 2)), wide.square().sum((0, 2))])
-        counts = np.concatenate([[flat.shape[0] * flat.shape[2]], _micro_batches()])
-        totals, (count, *micro_batches) = _sums(group, local, counts, check=True)
+        local = np.concatenate([_host(wide.sum((0, 2))), _host(wide.square().sum((0, 2))),
+                                [flat.shape[0] * flat.shape[2]], _micro_batches()])
+        totals = _sums(group, local, channels, check=True)  # counts: exact in float64
+        count, *micro_batches = (int(v) for v in totals[2 * channels:])
         _check_micro_batches(group, *micro_batches)
         if count == 1:
             _refuse(group, ValueError(
                 f"Expected more than 1 value per channel when training, got {count} over "
                 f"every rank (input size {list(x.shape)} here)"))
         mean = totals[:channels] / max(count, 1)  # empty everywhere: as serial, an empty
-        var = (totals[channels:] / max(count, 1) - mean * mean).clamp_(min=0)  # output
-        invstd = (var + eps).rsqrt()
+        var = np.maximum(totals[channels:2 * channels] / max(count, 1) - mean * mean, 0.0)
         if running_mean is not None and running_var is not None and count > 0:
             with torch.no_grad():
-                running_mean.mul_(1 - factor).add_((factor * mean).to(running_mean.dtype))
+                running_mean.mul_(1 - factor).add_(_vector(factor * mean, running_mean))
                 running_var.mul_(1 - factor).add_(
-                    (factor * var * count / (count - 1)).to(running_var.dtype))
+                    _vector(factor * var * count / (count - 1), running_var))
         work = _working(flat)
         y = torch.nn.functional.batch_norm(  # (x - mean) * invstd * weight + bias
-            work, mean.to(work.dtype), var.to(work.dtype),
+            work, _vector(mean, work), _vector(var, work),
             None if weight is None else weight.detach().to(work.dtype),
             None if bias is None else bias.detach().to(work.dtype), False, 0.0, eps)
-        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.save_for_backward(x, weight)
+        ctx.mean, ctx.invstd = mean, 1.0 / np.sqrt(var + eps)
         ctx.count, ctx.group, ctx.has_bias = count, group, bias is not None
         return y.to(x.dtype).reshape(x.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        x, weight, mean, invstd = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
+        mean, invstd = ctx.mean, ctx.invstd
         channels = x.shape[1]
         flat = _working(_by_channel(x))
         dy = _working(grad.reshape(flat.shape))
         xmu = flat - _per_channel(mean, flat)
-        sum_dy = dy.sum((0, 2), dtype=torch.float64)
-        sum_dy_xmu = (dy * xmu).sum((0, 2), dtype=torch.float64)
+        sum_dy = _host(dy.sum((0, 2), dtype=torch.float64))
+        sum_dy_xmu = _host((dy * xmu).sum((0, 2), dtype=torch.float64))
         grad_input = None
         if ctx.needs_input_grad[0]:  # `dy` is this rank's loss's: weighted as DataParallel
             share = _weight()  # will weight it (see the module's docstring)
             zero = float(share == 0 and x.numel() > 0)
-            totals, _ = _sums(ctx.group, torch.cat([
-                torch.cat([sum_dy, sum_dy_xmu]) * share, sum_dy.new_full((1,), zero)]))
+            totals = _sums(ctx.group, np.concatenate([sum_dy * share, sum_dy_xmu * share,
+                                                      [zero]]), channels)
             _refuse_zero_weights(ctx.group, float(totals[-1]))
             count = max(ctx.count, 1) * (share or 1.0)  # and unweighted here
             mean_dy, mean_dy_xmu = totals[:channels] / count, totals[channels:-1] / count
-            scale = invstd if weight is None else invstd * weight.detach().double()
+            scale = invstd if weight is None else invstd * _host(weight.detach().double())
             # scale * (dy - mean_dy - xmu * invstd^2 * mean_dy_xmu), per channel in float64
             grad_input = xmu.mul_(_per_channel(-scale * invstd * invstd * mean_dy_xmu, flat))
             grad_input.addcmul_(dy, _per_channel(scale, flat))
             grad_input.sub_(_per_channel(scale * mean_dy, flat))
             grad_input = grad_input.to(x.dtype).reshape(x.shape)
         grad_weight = grad_bias = None
-        if weight is not None and ctx.needs_input_grad[1]:
-            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)  # local: the gradient
-        if ctx.has_bias and ctx.needs_input_grad[2]:  # averaging sums them over the ranks
-            grad_bias = sum_dy.to(x.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:  # local: the gradient averaging
+            grad_weight = _vector(sum_dy_xmu * invstd, weight)  # sums them
+        if ctx.has_bias and ctx.needs_input_grad[2]:  # over the ranks
+            grad_bias = _vector(sum_dy, x)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 

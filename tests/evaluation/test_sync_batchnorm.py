@@ -7,6 +7,8 @@ samples.  Ranks that joined early hold the state they had then; a broadcast from
 ran every step after the Join makes every rank equal to the reference.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -127,12 +129,18 @@ def test_a_global_batch_of_one_sample_raises_on_every_rank(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("affine", [True, False])
-def test_different_channel_counts_raise_on_every_rank(comm, affine):
-    """Unchecked, the statistics of 3 channels were summed with those of 4: wrong numbers."""
+@pytest.mark.parametrize("through", ["communicator", "joinable_comm"])
+def test_different_channel_counts_raise_on_every_rank(comm, affine, through):
+    """Unchecked, the statistics of 3 channels were summed with those of 4: wrong numbers.
+    Through a JoinableComm in a Join its announcement compares the lengths."""
     channels = 4 if comm.rank == comm.size - 1 else 3
-    layer = SyncBatchNorm(channels, affine=affine, process_group=comm).double()
+    jc = JoinableComm(comm) if through == "joinable_comm" else None
+    layer = SyncBatchNorm(channels, affine=affine, process_group=jc or comm).double()
     with raises_everywhere(ValueError, match="different numbers of channels"):
-        layer(torch.ones(4, channels, dtype=torch.float64))
+        with Join([jc]) if jc is not None else contextlib.nullcontext():
+            if jc is not None:
+                jc.begin_iteration()
+            layer(torch.ones(4, channels, dtype=torch.float64))
 
 
 def narrow_batches(size, channels=3, length=5):
