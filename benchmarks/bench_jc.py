@@ -15,10 +15,13 @@ once.  Each repeat times, interleaved, on one communicator (the slowest rank's t
   announcement that carries the MAX, one that carries the broadcast, and END;
 - ``jc_outside``: ``jc.allreduce``/``jc.bcast`` outside any Join;
 - ``jc_all_active``: ``begin_iteration()`` and the same three inside ``Join([jc])``;
-- ``jc_one_joined``: the same with rank 0 joined from the start (shadowing).
+- ``jc_one_joined``: the same with rank 0 joined from the start (shadowing); at 2 ranks the
+  other rank is then the last active one, whose operations need no collective after the first
+  iteration (only the heartbeat and END remain), so ``floor_one_joined`` is the floor of 3
+  ranks and more.
 
-Ratios are of medians over the repeats, each against ``blocking`` (targets: 2.5 with every rank
-active, 3.5 with one rank joined).
+Ratios are of medians over the repeats, each against ``blocking`` (targets: 2.0 with every rank
+active, 2.5 with one rank joined).
 """
 
 import argparse
@@ -32,7 +35,7 @@ from mpi4py import MPI
 
 from tensorplay_mpi import Join, JoinableComm
 
-TARGETS = {"jc_all_active": 2.5, "jc_one_joined": 3.5}
+TARGETS = {"jc_all_active": 2.0, "jc_one_joined": 2.5}
 
 
 def schedules(comm, jc, iterations, elements):

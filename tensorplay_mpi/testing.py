@@ -109,8 +109,10 @@ PATTERNS: dict[str, Callable[[int, int], int]] = {
     "rank0_zero": lambda r, w: 0 if r == 0 else 2 + r,
     "last_zero": lambda r, w: 0 if r == w - 1 else max(1, 5 - r),
     "scrambled": lambda r, w: (7 * r + 3) % 5,
+    "one_straggler": lambda r, w: 6 if r == w // 2 else 1,
 }
-"""Number of inputs of rank ``r`` in a world of size ``w``: uneven, even, a rank with none."""
+"""Number of inputs of rank ``r`` in a world of size ``w``: uneven, even, a rank with none, one
+rank (the middle one, not the highest) alone for the last five iterations."""
 
 
 def inputs_of(pattern: str, size: int) -> list[int]:

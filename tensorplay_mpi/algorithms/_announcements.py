@@ -4,8 +4,10 @@ every rank's ``Iallreduce(int64[18], MAX)`` carries while ranks have joined.
 An announcement is ``[kind, op, dtype, root, count, row digest, digest, -digest, rank == root,
 rank, payload[8]]`` (:data:`SLOTS` int64).  The kinds are :data:`END`, :data:`ALLREDUCE`,
 :data:`ALLGATHER`, :data:`BCAST`, :data:`REFUSED` (an argument error every rank raises),
-:data:`CARRIED_ALLREDUCE` and :data:`CARRIED_BCAST` (the data travels in the payload) and
-:data:`BLOCK` (another joinable's block of collectives: its index in the count).  Ops and
+:data:`CARRIED_ALLREDUCE` and :data:`CARRIED_BCAST` (the data travels in the payload),
+:data:`BLOCK` (another joinable's block of collectives: its index in the count) and :data:`ALONE`
+(the only active rank's result of an operation on a kept array: its bytes in the payload, or a
+broadcast from it after the announcement when they do not fit).  Ops and
 dtypes travel as codes from 1 (:data:`~tensorplay_mpi.comm._collectives.OPS`, :data:`DTYPES`).
 Small MAX, MIN, LAND and LOR allreduces travel as int64 keys in the order of their values
 (:func:`order_keys`; floats first through :func:`float_keys`, so NaN reduces the same way on
@@ -27,6 +29,7 @@ from ..errors import CollectiveMismatchError
 END, ALLREDUCE, ALLGATHER, BCAST, REFUSED = 1, 2, 3, 4, 5
 CARRIED_ALLREDUCE, CARRIED_BCAST = 6, 7  # the data travelled in the announcement
 BLOCK = 8  # another joinable's block of collectives (Join.announce): its index in the count
+ALONE = 9  # the only active rank's result for the kept arrays: in the payload, else a bcast
 DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
     np.float16, np.float32, np.float64, np.complex64, np.complex128))
@@ -200,7 +203,8 @@ def encode(announcement: np.ndarray, fields: tuple, rank: int,
 
 _NAMES = {END: "the end of an iteration", ALLREDUCE: "allreduce", ALLGATHER: "allgather",
           BCAST: "bcast", REFUSED: "a call with a bad argument", CARRIED_ALLREDUCE: "allreduce",
-          CARRIED_BCAST: "bcast", BLOCK: "a block of another joinable"}
+          CARRIED_BCAST: "bcast", BLOCK: "a block of another joinable",
+          ALONE: "an operation on a kept array of the only active rank"}
 
 
 def describe(fields: tuple) -> str:
@@ -249,11 +253,11 @@ def decode(announcement: np.ndarray, size: int, what: str, sent: tuple | None = 
             "argument on some ranks only), or the collectives of a Join's joinables did not "
             "run in the order of its list (a collective of a joinable of yours between "
             "JoinableComm operations, say); no rank received a value from it.")
-    data = kind in (ALLREDUCE, ALLGATHER, BCAST, CARRIED_ALLREDUCE, CARRIED_BCAST)
+    data = kind in (ALLREDUCE, ALLGATHER, BCAST, CARRIED_ALLREDUCE, CARRIED_BCAST, ALONE)
     reduces = kind in (ALLREDUCE, CARRIED_ALLREDUCE)
     if not ((data or kind in (END, REFUSED, BLOCK))
             and (not data or 1 <= code <= len(DTYPES))
-            and 0 <= op <= (len(OPS) if reduces else len(KINDS))
+            and 0 <= op <= (len(OPS) if reduces or kind == ALONE else len(KINDS))
             and (not (reduces or kind == REFUSED) or op > 0) and -1 <= root < size
             and count >= 0):
         raise RuntimeError(f"{what} is invalid: {values}")

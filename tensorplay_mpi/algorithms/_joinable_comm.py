@@ -26,7 +26,10 @@ same ranks), only the root writing its bytes.  Other operations follow their ann
   the op, zero rows, or only receiving.  The iteration ends with an announcement of kind END,
   sent before the next heartbeat or when the rank joins.  A joined rank's hook follows the
   announcements until END, so it needs no recording of the past: a rank with zero
-  iterations, or a loop whose collectives change, works.
+  iterations, or a loop whose collectives change, works;
+- ``n == 1`` read in an earlier iteration of the Join (the count never grows): no collective
+  at all, the result being the input, but for a result a kept array receives, announced as
+  ``ALONE`` (in the payload, or followed by an ``Ibcast`` from this rank).
 
 Arguments are checked on every rank before any collective, the same way in both modes.  Inputs
 in any layout are sent in C order (copied when they are not C-contiguous); an ``out`` that is
@@ -120,6 +123,7 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         self._works: list[Work] = []  # i-variants' Works of this iteration (enabled Join only)
         self._active = self.size  # active ranks in the current iteration, once read
         self._highest: tuple = (None, 0, -1)  # (Join, active ranks, the highest active rank)
+        self._alone_in: Join | None = None  # the Join where an iteration counted one active rank
         self._iteration = 0
         self._where = "iteration 0"
         self._persistent = self._persistent_everywhere()
@@ -139,7 +143,7 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         super().move_to(comm)
         self._row_headers = np.empty((self.size, 2), np.int64)
         self._owner, self._others, self._announcing, self._works = None, [], None, []
-        self._active, self._highest = self.size, (None, 0, -1)
+        self._active, self._highest, self._alone_in = self.size, (None, 0, -1), None
         self._rows = {}
         self._persistent = self._persistent_everywhere()
 
@@ -299,7 +303,29 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         if self._announcing is None:  # the first need in this iteration: the heartbeat
             self._active = join.active_ranks()
             self._announcing = self._active < self.size
+            if self._active == 1 < self.size:  # and every later iteration: none comes back
+                self._alone_in = join
         return self._announcing
+
+    def _alone(self) -> bool:
+        """Whether this rank is the only active one: an earlier iteration of this Join counted
+        one active rank (the count never grows).  Its operations then need no data
+        collective: a result is its own input, and joined ranks receive only those applied to
+        kept arrays (:meth:`_announce_alone`)."""
+        join = self.join_context
+        return self._alone_in is not None and self._alone_in is self._owner is join \
+            and not join.runs_everywhere
+
+    def _announce_alone(self, x: Any, op: int, code: int, kept: int) -> None:
+        """The only active rank's result `x` of an operation on a kept array (`op` 0: a
+        broadcast), for the joined ranks: in the announcement's payload when it fits, else a
+        broadcast from this rank after it."""
+        small = x.nbytes <= 8 * wire.PAYLOAD
+        words = np.frombuffer(x.tobytes().ljust(8 * wire.PAYLOAD, b"\0"), np.int64) \
+            if small else None
+        self._announce(wire.ALONE, op, code, count=x.size, rows=kept << 2, payload=words)
+        if not small:
+            self._wait(ibcast(self.comm, x, self.rank, f"kept result ({self._where})"))
 
     def _own(self, work: Work) -> Work:
         if self._owner is not None:  # completed at the end of the iteration
@@ -415,6 +441,12 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
                         result: Any, wait: bool, kept: int) -> Any:
         """The announcement and the data of an allreduce whose arguments are checked."""
         self._start_operation()
+        if self._alone():  # the result is `x`
+            if kept:
+                self._announce_alone(x, op_code, code, kept)
+            if out is not x:
+                out[...] = x
+            return result if wait else _completed(result, f"allreduce ({self._where}, alone)")
         floats = x.dtype.kind == "f" and op_code in (wire.MAX_CODE, wire.MIN_CODE) \
             and type(x) is np.ndarray  # NaN: the same on every rank, through ordered keys
         data = wire.float_keys(x, op_code == wire.MAX_CODE) if floats else x
@@ -463,6 +495,8 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
             self._refuse(error)
         row_digest = ints_digest((code,) + rows.shape[1:])
         self._start_operation()
+        if self._alone():  # the only rows
+            return _completed(like(given, rows.copy()), f"allgather ({self._where}, alone)")
         self._announce(wire.ALLGATHER, 0, code, count=math.prod(rows.shape[1:]), rows=row_digest)
         return self._own(self._gather_rows(rows, row_digest, given))
 
@@ -532,6 +566,12 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         except (TypeError, ValueError) as error:
             self._refuse(error)
         self._start_operation()
+        if target in (-1, self.rank) and self._alone():  # another root: refused below
+            if kept:
+                self._announce_alone(x, 0, code, kept)
+            if out is not x:
+                out[...] = x
+            return result if wait else _completed(result, f"bcast ({self._where}, alone)")
         writer = self._carrier(x, target)
         if writer is not None:  # small, and its root known: the announcement carries it
             words = np.frombuffer(x.tobytes().ljust(8 * wire.PAYLOAD, b"\0"), np.int64)
@@ -698,6 +738,18 @@ class _FollowAnnouncements(JoinHook):
             del self._buffers[next(iter(self._buffers))]
         return buffers
 
+    def _apply_alone(self, op: int, code: int, count: int, rows: int, alone: int) -> None:
+        """Apply the only active rank's result (rank `alone`) to the kept array `rows` names:
+        from the announcement's payload, or from its broadcast when it did not fit."""
+        jc, dtype = self.jc, wire.DTYPES[code - 1]
+        if count * dtype.itemsize <= 8 * wire.PAYLOAD:
+            data = jc._announcement[wire.PAYLOAD_AT:].tobytes()[:count * dtype.itemsize]
+            values = np.frombuffer(data, dtype)
+        else:
+            values = self._shadow_buffers(0, count, dtype)[1]
+            jc._wait(ibcast(jc.comm, values, alone, f"kept result ({jc._where})"))
+        jc._kept.apply(rows >> 2, op, values)
+
     def main_hook(self) -> None:
         """Shadow one active iteration: follow the announcements until END."""
         jc = self.jc
@@ -721,6 +773,9 @@ class _FollowAnnouncements(JoinHook):
                     kept = jc._kept.arrays[rows >> 4]
                     data = jc._announcement[wire.PAYLOAD_AT:].tobytes()[:kept.nbytes]
                     jc._kept.apply(rows >> 2, 0, np.frombuffer(data, kept.dtype))
+                continue
+            if kind == wire.ALONE:  # a result of the only active rank, for a kept array
+                self._apply_alone(op, code, count, rows, highest)
                 continue
             if kind == wire.REFUSED:
                 raise KINDS[op - 1](

@@ -37,7 +37,7 @@ def active(inputs, t):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("pattern", UNEVEN + ["even"])
+@pytest.mark.parametrize("pattern", UNEVEN + ["even", "one_straggler"])
 def test_every_op_and_dtype_equals_a_reduction_over_the_active_ranks(comm, pattern):
     inputs = inputs_of(pattern, comm.size)
     jc = JoinableComm(comm)
@@ -57,7 +57,7 @@ def test_every_op_and_dtype_equals_a_reduction_over_the_active_ranks(comm, patte
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("pattern", UNEVEN + ["even"])
+@pytest.mark.parametrize("pattern", UNEVEN + ["even", "one_straggler"])
 def test_gathers_broadcasts_and_a_schedule_that_grows(comm, pattern):
     inputs = inputs_of(pattern, comm.size)
     longest = max(inputs)
@@ -98,12 +98,26 @@ def test_a_joined_int_root_is_an_error_on_every_rank(comm):
             jc.allreduce(np.ones(1))
 
 
+@pytest.mark.mpi(min_size=2)
+def test_an_int_root_that_joined_is_an_error_where_one_rank_is_left(comm):
+    """The only active rank (a count of one read in an earlier iteration) issues no data
+    collective: a bcast from a joined int root still raises on every rank."""
+    jc = JoinableComm(comm)
+    with raises_everywhere(ValueError, match="bcast root 0 is not an active rank"):
+        with Join([jc]):
+            for t in range(4 if comm.rank == comm.size - 1 else 1):
+                jc.begin_iteration()
+                jc.bcast(np.zeros(2), root=comm.size - 1 if t < 3 else 0)
+
+
 @pytest.mark.mpi
-def test_i_variants_return_works_and_results_keep_the_input_kind(comm, monkeypatch):
+@pytest.mark.parametrize("last", [1, 4])  # with 4, the last rank is left alone
+def test_i_variants_return_works_and_results_keep_the_input_kind(comm, monkeypatch, last):
     use_mode(monkeypatch, aware=False)
     jc = JoinableComm(comm)
     with Join([jc]):
-        for _ in range(1 + comm.rank):
+        mine = 1 + comm.rank if last == 1 else (last if comm.rank == comm.size - 1 else 1)
+        for _ in range(mine):
             jc.begin_iteration()
             work = jc.iallreduce(on_device(np.ones(4)))
             gathered = jc.allgather(on_device(np.ones((1, 2))))

@@ -58,7 +58,7 @@ def expected_state(inputs):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("pattern", UNEVEN + ["even"])
+@pytest.mark.parametrize("pattern", UNEVEN + ["even", "one_straggler"])
 def test_every_rank_holds_the_final_kept_state_after_uneven_inputs(comm, pattern):
     inputs = inputs_of(pattern, comm.size)
     jc = JoinableComm(comm)
