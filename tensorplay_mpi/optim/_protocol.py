@@ -92,6 +92,23 @@ def is_writeable(array: Any) -> bool:
     return getattr(array.flags, "writeable", True)
 
 
+def refuse_half(params: Sequence[Any]) -> list[Any]:
+    """`params` as a list; ``TypeError`` for a float16 or bfloat16 one (array or tensor).
+
+    The update rules run in the parameters' dtype: in half precision every operation would
+    round to 8 or 11 bits, and NumPy has no bfloat16.  A half-precision model keeps a torch
+    optimizer, stepped by DataParallel's ``update=``."""
+    params = list(params)
+    for i, p in enumerate(params):
+        name = str(getattr(p, "dtype", "")).replace("torch.", "")
+        if name in ("float16", "bfloat16"):
+            raise TypeError(
+                f"params[{i}] is {name}: the library's optimizers (and ZeroRedundancyOptimizer) "
+                "step float32 and float64 params; train a float16 or bfloat16 model with a "
+                "torch optimizer, DataParallel(model.parameters(), update=opt.step)")
+    return params
+
+
 def check_params(params: list[Any], grads: list[Any]) -> None:
     """Raise unless `params` are writable, C-contiguous floating arrays shaped like `grads`,
     and no two of the params and grads share memory."""

@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from ..comm._buffers import check_disjoint, device_of, is_device_array
-from ..comm._tensors import as_arrays, is_tensor
+from ..comm._tensors import as_arrays, is_bfloat16, is_tensor
 from ._torch_grads import check_unbound, frozen_mask
 
 
@@ -63,13 +63,13 @@ def _check_arrays(given: Any, name: str, floating: bool) -> tuple[list[Any], lis
         raise TypeError(f"{name}: pass a sequence of arrays (got one "
                         f"{type(given).__name__}: use [array])")
     given = list(given)
-    arrays = as_arrays(given, name)
+    arrays = as_arrays(given, name, bits=True)  # bfloat16: its bits, int16
     for i, array in enumerate(arrays):
         if not (isinstance(array, np.ndarray) or is_device_array(array)):
             raise TypeError(f"{name}[{i}] must be a NumPy or CuPy array or a torch tensor, "
                             f"got {type(array).__name__}")
-        if floating and array.dtype not in (np.float32, np.float64):
-            raise TypeError(f"{name}[{i}] must be float32 or float64, got {array.dtype}")
+        if floating:
+            _check_floating(given[i], array, f"{name}[{i}]")
         if array.dtype == object:
             raise TypeError(f"{name}[{i}] has dtype object, which MPI cannot send")
         if not array.flags.c_contiguous:
@@ -78,6 +78,20 @@ def _check_arrays(given: Any, name: str, floating: bool) -> tuple[list[Any], lis
             raise ValueError(f"{name}[{i}] is read-only: DataParallel writes it on every rank "
                              "(broadcasts from other ranks, in-place updates)")
     return given, arrays
+
+
+def _check_floating(given: Any, array: Any, name: str) -> None:
+    """Raise ``TypeError`` unless `array` (of the caller's `given`) is a float32 or float64
+    array, or a float16 or bfloat16 one in host memory (reduced through float32)."""
+    if array.dtype in (np.float32, np.float64):
+        return
+    if array.dtype == np.float16 or is_bfloat16(given):
+        if not isinstance(array, np.ndarray):
+            kind = "bfloat16" if is_bfloat16(given) else "float16"
+            raise TypeError(f"{name} is {kind} on a GPU: DataParallel takes half-precision "
+                            "params on the CPU")
+        return
+    raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, got {array.dtype}")
 
 
 def _contiguous_remedy(given: Any) -> str:

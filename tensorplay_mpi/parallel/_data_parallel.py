@@ -48,6 +48,7 @@ from ..algorithms._guarded_joinable import GuardedJoinable
 from ..algorithms.join import JOIN_CHECK, ElasticJoinable, Join, JoinHook
 from ._checks import check_construction, check_step
 from ._gradient_link import PlaceCheck
+from ._narrow import format_name
 from ._reducer import Reducer, Step
 
 _ENTERED: list[Step] = []  # the dp.step() blocks this process is inside, innermost last
@@ -218,7 +219,7 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
             args = check_construction(params, buffers, bucket_cap_mb, broadcast_from, update,
                                       self.size)
             broadcast_from = args.broadcast_from
-            layout = ([(a.shape, a.dtype.str) for a in args.params],
+            layout = ([(a.shape, format_name(a.dtype)) for a in args.params],
                       [(a.shape, a.dtype.str) for a in args.buffers],
                       [i for i, f in enumerate(args.frozen) if f])
         except (TypeError, ValueError) as error:

@@ -133,7 +133,7 @@ class Reducer:
         """Every gradient zero, between torch's kernels (``dp.zero_grad()``)."""
         with torch_cuda.handed():  # filled after torch's last reads, and backward() after it
             for bucket in self._buckets:
-                bucket.flat.fill(0)
+                bucket.zero()
 
     # -- the step of an active rank -----------------------------------------------------------
 
@@ -288,6 +288,7 @@ class Reducer:
                 bucket.flags.fill(1)
             else:
                 self._set_flags(bucket)
+            bucket.pack()
             if step.samples is not None:  # this rank's mean, weighted by its samples
                 bucket.grads *= step.samples  # (the slots are zero otherwise: see _divisor)
                 bucket.samples[0], bucket.samples[1] = step.samples, 1
@@ -304,7 +305,7 @@ class Reducer:
         bucket.write_flags(has)
         if not has.all():
             for i in bucket.index[~has].tolist():
-                as_array(self.grads[i])[...] = 0
+                as_array(self.grads[i], bits=True)[...] = 0
 
     def _finish_buckets(self, step: Step, shadow: bool = False) -> None:
         """Start the buckets not started yet (a joined rank: all, sending zeros), then average;
@@ -327,6 +328,7 @@ class Reducer:
             if len(works) == k + 1 and k < last:
                 self._start_bucket(step, k + 1, shadow)  # posted before this bucket's division
             bucket.divide(self._divisor(step, bucket))
+            bucket.unpack()
             if bucket.flags.all():  # every member used by some rank: the usual case (on a
                 if not bucket.all_used:  # device, read there: no copy to the host)
                     self.used[bucket.index] = bucket.all_used = True
