@@ -67,6 +67,7 @@ class Widening:
     def round(self) -> None:
         """``narrow = wide``, rounded to nearest even (overflow to infinity, NaN kept)."""
         if isinstance(self._wide, np.ndarray):
-            np.copyto(self._narrow, self._wide, casting="same_kind")
+            with np.errstate(over="ignore"):  # an infinity, as torch's float16 gives: no warning
+                np.copyto(self._narrow, self._wide, casting="same_kind")
         else:
             self._narrow.copy_(self._wide)

@@ -1,0 +1,205 @@
+"""Half-precision models (float16, bfloat16) through DataParallel, against float64 replays.
+
+A half-precision bucket widens its gradients to float32, sums them there with MPI's SUM,
+divides in float32 and rounds the mean to the format once.  With ``k`` active ranks and
+the divisor ``d``, the float32 sum of ``k`` terms is off by at most ``(k - 1) u32 sum|g|``
+and the division by ``u32 |S / d|`` (``u32 = 2**-24``), so the float32 mean ``q`` is within
+``e = (k + 1) u32 sum|g| / d`` of the exact mean ``m``; rounding ``q`` to the format adds at
+most ``u |q| <= u (|m| + e)`` (``u``: half the format's epsilon) where ``q`` is normal, and
+half the smallest subnormal below.  That bound is what the averaged gradients are checked
+against, on every rank, joined ones included, with uneven inputs.  Summing in the format
+would round ``k - 1`` more times (a bfloat16 sum of three values of mixed signs misses it).
+
+A torch model trained in the format with ``update=opt.step`` is then compared with the same
+model trained in float64 serially over the active ranks' batches, within a first-order bound
+of the format's rounding (see :func:`training_tolerance`), and is bitwise the same on every
+rank.
+"""
+
+import numpy as np
+import pytest
+
+from tensorplay_mpi import DataParallel, Join
+from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
+
+torch = pytest.importorskip("torch")
+
+from torch_reference import batch, same_everywhere  # noqa: E402
+
+U32 = 2.0 ** -24
+FORMATS = {  # name: (unit roundoff u, smallest subnormal, torch dtype or None for NumPy)
+    "numpy-float16": (2.0 ** -11, 2.0 ** -24, None),
+    "float16": (2.0 ** -11, 2.0 ** -24, torch.float16),
+    "bfloat16": (2.0 ** -8, 2.0 ** -133, torch.bfloat16),
+}
+SHAPES = [(3, 4), (5,)]
+PATTERNS = ("three_plus_rank", "rank0_zero", "last_zero", "even")
+
+
+def gradient(rank, t, i, name):
+    """Rank `rank`'s gradient of parameter `i` in step `t`, exactly representable in the
+    format: float64 of mixed signs and magnitudes 2**-6 .. 2**6, rounded to it."""
+    g = np.random.default_rng([rank, t, i]).standard_normal(SHAPES[i])
+    g *= 2.0 ** np.random.default_rng([rank, t, i, 1]).integers(-6, 7, SHAPES[i])
+    dtype = FORMATS[name][2]
+    if dtype is None:
+        return g.astype(np.float16).astype(np.float64)
+    return torch.from_numpy(g).to(dtype).double().numpy()
+
+
+def as_float64(x):
+    return x.double().numpy() if torch.is_tensor(x) else np.asarray(x, dtype=np.float64)
+
+
+def params_of(name):
+    dtype = FORMATS[name][2]
+    if dtype is None:
+        return [np.zeros(s, np.float16) for s in SHAPES]
+    return [torch.zeros(s, dtype=dtype) for s in SHAPES]
+
+
+def mean_bound(terms, size, name):
+    """The exact mean of `terms` over `size` ranks and how far the library's may be from it."""
+    u, tiny, _ = FORMATS[name]
+    exact = sum(terms) / size
+    e = (len(terms) + 1) * U32 * sum(np.abs(g) for g in terms) / size
+    return exact, u * (np.abs(exact) + e) + e + tiny / 2
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_half_gradients_are_the_mean_rounded_once(comm, name, pattern):
+    inputs = inputs_of(pattern, comm.size) if pattern != "even" else [4] * comm.size
+    params = params_of(name)
+    seen = []
+    dp = DataParallel(params, comm=comm, bucket_cap_mb=1e-5,  # a bucket per parameter
+                      update=lambda: seen.append([as_float64(g) for g in dp.grads]))
+    with Join([dp]):
+        for t in range(inputs[comm.rank]):
+            with dp.step():
+                for i in range(len(SHAPES)):
+                    dp.grads[i] = gradient(comm.rank, t, i, name).astype(
+                        np.float16 if FORMATS[name][2] is None else np.float64)
+    bad = []
+    for t, got in enumerate(seen):
+        for i, g in enumerate(got):
+            terms = [gradient(r, t, i, name) for r in range(comm.size) if inputs[r] > t]
+            exact, bound = mean_bound(terms, comm.size, name)
+            if not (np.abs(g - exact) <= bound).all():
+                bad.append((t, i, float(np.max(np.abs(g - exact) - bound))))
+    assert_all(len(seen) == max(inputs), f"{len(seen)} updates, expected {max(inputs)}")
+    assert_all(not bad, f"{name} {inputs}: (step, param, excess over the bound) {bad}")
+    assert_all(same_everywhere([g for step in seen for g in step], comm),
+               "averaged gradients differ between ranks")
+
+
+class Small(torch.nn.Module):
+    """Linear, tanh, linear: 6 inputs, 5 hidden, 3 outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(6, 5)
+        self.head = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.first(x)))
+
+
+LR, STEPS = 0.05, 6
+
+
+def loss_of(model, rank, t):
+    dtype = next(model.parameters()).dtype
+    x, y = batch(rank, t)
+    return torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
+
+
+def replay(inputs, size):
+    """The float64 model trained serially: each global step averages the active ranks'
+    gradients over `size`; also, per parameter, the largest |gradient| of any step."""
+    model = Small().double()
+    largest = [torch.zeros(()) for _ in model.parameters()]
+    for t in range(max(inputs)):
+        model.zero_grad()
+        for rank in range(size):
+            if inputs[rank] > t:
+                loss_of(model, rank, t).backward()
+        with torch.no_grad():
+            for k, p in enumerate(model.parameters()):
+                p.grad /= size
+                largest[k] = torch.maximum(largest[k], p.grad.abs().max())
+                p -= LR * p.grad
+    return model, largest
+
+
+def training_tolerance(u, expected, largest, steps):
+    """First-order bound of a half-precision run's distance to the float64 replay.
+
+    The start and every update round a parameter once (``u |w|`` each, ``steps + 1`` times);
+    a gradient element depends on 2 (6 + 5) + 12 rounded operations (two dot products, their
+    inputs, biases, tanh, the loss and its backward pass, the average), each within ``u`` of
+    its exact result, and the error in ``w`` carried from earlier steps moves it by at most
+    as much again: ``lr * 2 * 34 u * max|g|`` per step.
+    """
+    return (steps + 1) * u * np.abs(expected) + steps * LR * 2 * 34 * u * largest
+
+
+def library_sgd(model, dp):
+    from tensorplay_mpi.optim import SGD
+    return SGD(model.parameters(), dp.grads, lr=LR, comm=dp.comm)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("pattern", ["three_plus_rank", "rank0_zero"])
+@pytest.mark.parametrize("name, optimizer", [("float16", "torch"), ("bfloat16", "torch"),
+                                             ("float16", "library")])
+def test_a_half_torch_model_trains_like_a_float64_replay(comm, name, optimizer, pattern):
+    u, _, dtype = FORMATS[name]
+    inputs = [min(STEPS, n) for n in inputs_of(pattern, comm.size)]
+    model = Small().to(dtype)
+    steps = []  # the optimizer's step, once it exists (it takes dp.grads)
+    dp = DataParallel(model.parameters(), comm=comm, bucket_cap_mb=1e-4,
+                      update=lambda: steps[0]())
+    opt = (torch.optim.SGD(model.parameters(), lr=LR) if optimizer == "torch"
+           else library_sgd(model, dp))
+    steps.append(opt.step)
+    with Join([dp]):
+        for t in range(inputs[comm.rank]):
+            model.zero_grad()
+            with dp.step():
+                loss_of(model, comm.rank, t).backward()
+    expected, largest = replay(inputs, comm.size)
+    got = [p.detach().double().numpy() for p in model.parameters()]
+    bits = [p.detach().view(torch.int16).numpy() for p in model.parameters()]
+    excess = [float(np.max(np.abs(g - e.detach().numpy())
+                           - training_tolerance(u, e.detach().numpy(), m.item(), max(inputs))))
+              for g, e, m in zip(got, expected.parameters(), largest)]
+    assert_all(same_everywhere(bits, comm), "parameters differ between ranks")
+    assert_all(max(excess) <= 0, f"{name} {inputs}: over the bound by {excess}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_library_optimizers_refuse_bfloat16_params_naming_torch_ones(comm):
+    from tensorplay_mpi.optim import SGD, ZeroRedundancyOptimizer
+    model = Small().to(torch.bfloat16)
+    dp = DataParallel(model.parameters(), comm=comm)
+    for make in (lambda: SGD(model.parameters(), dp.grads, lr=0.1),
+                 lambda: ZeroRedundancyOptimizer(model.parameters(), dp.grads)):
+        with raises_everywhere(TypeError, match=r"params\[0\] is bfloat16, .*update=opt.step"):
+            make()
+
+
+def test_float16_sums_beyond_its_range_average_to_the_exact_mean(recwarn):
+    """Two ranks' 60000 sum to 120000, beyond float16 (65504) but not float32: the mean is
+    60000, not the infinity a float16 sum gives; a mean of 70000 is infinite, and NaN stays
+    NaN, without a warning (the wire's sums are set as an allreduce of two ranks leaves them).
+    """
+    from tensorplay_mpi.parallel._buckets import make_buckets
+    (bucket,), _, (view,) = make_buckets([np.zeros(3, np.float16)], 1e6)
+    bucket.grads[...] = [2 * 60000.0, 2 * 70000.0, np.nan]
+    bucket.divide(2)
+    bucket.unpack()
+    assert view[0] == 60000 and view[1] == np.inf and np.isnan(view[2]), view
+    assert not recwarn.list, [str(w.message) for w in recwarn.list]
