@@ -112,8 +112,9 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
     params : sequence of arrays or torch tensors
         The trained arrays (NumPy or CuPy, or torch tensors such as ``model.parameters()``,
         on the CPU or CUDA; all on one device), owned and updated in place by the caller; writeable,
-        C-contiguous float32 or float64 (one bucket set per dtype).  Buckets, zeroing and
-        averaging stay on that device.  A torch parameter that requires gradients gets
+        C-contiguous float32 or float64, or on the CPU float16 or bfloat16 (one bucket set per
+        dtype; half precision is summed and divided in float32, then rounded once).  Buckets,
+        zeroing and averaging stay on that device.  A torch parameter that requires gradients gets
         ``p.grad`` bound to its bucket view, so that ``loss.backward()`` writes there; the
         binding is repaired at each step (``model.zero_grad()`` unbinds it).
     comm : mpi4py.MPI.Intracomm, optional
@@ -171,7 +172,8 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
     ------
     TypeError
         On every rank, if a rank passed one array instead of a sequence, a non-array, integer
-        or object params, or a `broadcast_from` that is not an int.
+        or object params, half-precision params on a GPU, or a `broadcast_from` that is not an
+        int.
     ValueError
         On every rank, if a rank passed non-contiguous or read-only arrays, arrays on several
         devices, ``bucket_cap_mb <= 0``, a `broadcast_from` that is not a rank, or if ranks
