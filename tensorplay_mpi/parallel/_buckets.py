@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..comm._buffers import zeros_like
+from ._compress import Compression
 from ._narrow import NARROW, WIRE, Widening
 
 
@@ -25,13 +26,15 @@ class Bucket:
     A half-precision bucket (float16, bfloat16 bits) keeps its gradients in ``memory``, in
     the parameters' format, and ``flat`` in float32 (:mod:`.narrow`): :meth:`pack` widens
     them into it before the allreduce, :meth:`unpack` rounds the mean back after it.
-    Elsewhere ``memory`` is ``grads``, and both are no-ops.
+    Elsewhere ``memory`` is ``grads``, and both are no-ops.  A compressed bucket
+    (:mod:`.compress`, float32) has a ``compression``: its 16-bit wire.
     """
 
     __slots__ = ("flat", "grads", "memory", "members", "index", "flags", "samples",
-                 "all_used", "_widening")
+                 "all_used", "compression", "_widening")
 
-    def __init__(self, like: Any, members: list[int], sizes: list[int]) -> None:
+    def __init__(self, like: Any, members: list[int], sizes: list[int],
+                 compress: str | None = None) -> None:
         n, m = sum(sizes), len(members)
         narrow = like.dtype in NARROW
         # on the device and kind of `like`
@@ -39,6 +42,7 @@ class Bucket:
         self.grads = self.flat[:n]  # the gradients as reduced
         self.memory = zeros_like(like, n) if narrow else self.grads  # where p.grad lives
         self._widening = Widening(self.memory, self.grads) if narrow else None
+        self.compression = None if compress is None else Compression(compress, self.flat)
         self.members = members  # parameter indices, in fill (reverse parameter) order
         self.index = np.asarray(members, dtype=np.intp)
         self.flags = self.flat[n:n + m]  # the "used" flags, summed with the gradients
@@ -90,15 +94,17 @@ class Bucket:
             self.flags.set(has.astype(self.flags.dtype))
 
 
-def make_buckets(params: list[np.ndarray], cap_bytes: float,
-                 frozen: Sequence[bool] = ()) -> tuple[list[Bucket], list[int], list[np.ndarray]]:
+def make_buckets(params: list[np.ndarray], cap_bytes: float, frozen: Sequence[bool] = (),
+                 compress: str | None = None
+                 ) -> tuple[list[Bucket], list[int], list[np.ndarray]]:
     """Pack gradients of `params` into buckets of at most `cap_bytes` (one set per dtype;
     half-precision ones reduce in float32, :mod:`.narrow`).
 
     Buckets fill in reverse parameter order, the order a backward pass produces gradients;
     a parameter larger than the cap gets a bucket of its own.  A parameter flagged in
     `frozen` gets no bucket (its bucket index is -1) and a zero gradient that holds
-    no memory (a zero-stride view of one element).
+    no memory (a zero-stride view of one element).  `compress` (float32 params): every
+    bucket's wire in that 16-bit format.
 
     Returns
     -------
@@ -126,7 +132,7 @@ def make_buckets(params: list[np.ndarray], cap_bytes: float,
     buckets, bucket_of = [], [-1] * len(params)
     views = {i: _no_gradient(params[i]) for i in range(len(params)) if frozen[i]}
     for k, (_, members) in enumerate(plans):
-        bucket = Bucket(params[members[0]], members, [params[i].size for i in members])
+        bucket = Bucket(params[members[0]], members, [params[i].size for i in members], compress)
         offset = 0
         for i in members:
             size = params[i].size

@@ -95,7 +95,8 @@ class Reducer:
                  overlap: bool) -> None:
         self._owner = weakref.ref(owner)
         self.params, self.buffers, self.update = args.params, args.buffers, args.update
-        self._buckets, self._bucket_of, views = make_buckets(self.params, cap_bytes, args.frozen)
+        self._buckets, self._bucket_of, views = make_buckets(self.params, cap_bytes, args.frozen,
+                                                             args.compress)
         self.grads = GradientViews([like(p, v) for p, v in zip(args.given, views)], owner)
         self.broadcast(self.params + self.buffers, args.broadcast_from, "initial broadcast")
         self._overlap = overlap
@@ -294,8 +295,12 @@ class Reducer:
                 bucket.samples[0], bucket.samples[1] = step.samples, 1
         if shadow:  # a joined rank sends zeros, in place as the active ranks (see iallreduce)
             bucket.flat.fill(0)
+        wire, op = bucket.flat, MPI.SUM
+        if bucket.compression is not None:  # divided first, as DDP's compression hooks
+            bucket.divide(step.divisor or 1)  # (unresolved on a failure path: no matter)
+            wire, op = bucket.compression.compress(), bucket.compression.op
         step.works.append(iallreduce(
-            self._dp.comm, MPI.IN_PLACE, bucket.flat, MPI.SUM,
+            self._dp.comm, MPI.IN_PLACE, wire, op,
             f"bucket {k + 1} of {len(self._buckets)} (step {step.number})"))
 
     def _set_flags(self, bucket: Any) -> None:
@@ -327,7 +332,10 @@ class Reducer:
             dp._wait(works[k])
             if len(works) == k + 1 and k < last:
                 self._start_bucket(step, k + 1, shadow)  # posted before this bucket's division
-            bucket.divide(self._divisor(step, bucket))
+            if bucket.compression is None:
+                bucket.divide(self._divisor(step, bucket))
+            else:
+                bucket.compression.decompress()
             bucket.unpack()
             if bucket.flags.all():  # every member used by some rank: the usual case (on a
                 if not bucket.all_used:  # device, read there: no copy to the host)

@@ -12,8 +12,8 @@ would round ``k - 1`` more times (a bfloat16 sum of three values of mixed signs 
 
 A torch model trained in the format with ``update=opt.step`` is then compared with the same
 model trained in float64 serially over the active ranks' batches, within a first-order bound
-of the format's rounding (see :func:`training_tolerance`), and is bitwise the same on every
-rank.
+of the format's rounding (``half_reference.training_tolerance``), and is bitwise the same on
+every rank.
 """
 
 import numpy as np
@@ -24,7 +24,8 @@ from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 torch = pytest.importorskip("torch")
 
-from torch_reference import batch, same_everywhere  # noqa: E402
+from half_reference import LR, STEPS, Small, loss_of, replay, training_tolerance  # noqa: E402
+from torch_reference import same_everywhere  # noqa: E402
 
 U32 = 2.0 ** -24
 FORMATS = {  # name: (unit roundoff u, smallest subnormal, torch dtype or None for NumPy)
@@ -92,58 +93,6 @@ def test_half_gradients_are_the_mean_rounded_once(comm, name, pattern):
     assert_all(not bad, f"{name} {inputs}: (step, param, excess over the bound) {bad}")
     assert_all(same_everywhere([g for step in seen for g in step], comm),
                "averaged gradients differ between ranks")
-
-
-class Small(torch.nn.Module):
-    """Linear, tanh, linear: 6 inputs, 5 hidden, 3 outputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = torch.nn.Linear(6, 5)
-        self.head = torch.nn.Linear(5, 3)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.first(x)))
-
-
-LR, STEPS = 0.05, 6
-
-
-def loss_of(model, rank, t):
-    dtype = next(model.parameters()).dtype
-    x, y = batch(rank, t)
-    return torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
-
-
-def replay(inputs, size):
-    """The float64 model trained serially: each global step averages the active ranks'
-    gradients over `size`; also, per parameter, the largest |gradient| of any step."""
-    model = Small().double()
-    largest = [torch.zeros(()) for _ in model.parameters()]
-    for t in range(max(inputs)):
-        model.zero_grad()
-        for rank in range(size):
-            if inputs[rank] > t:
-                loss_of(model, rank, t).backward()
-        with torch.no_grad():
-            for k, p in enumerate(model.parameters()):
-                p.grad /= size
-                largest[k] = torch.maximum(largest[k], p.grad.abs().max())
-                p -= LR * p.grad
-    return model, largest
-
-
-def training_tolerance(u, expected, largest, steps):
-    """First-order bound of a half-precision run's distance to the float64 replay.
-
-    The start and every update round a parameter once (``u |w|`` each, ``steps + 1`` times);
-    a gradient element depends on 2 (6 + 5) + 12 rounded operations (two dot products, their
-    inputs, biases, tanh, the loss and its backward pass, the average), each within ``u`` of
-    its exact result, and the error in ``w`` carried from earlier steps moves it by at most
-    as much again: ``lr * 2 * 34 u * max|g|`` per step.
-    """
-    return (steps + 1) * u * np.abs(expected) + steps * LR * 2 * 34 * u * largest
 
 
 def library_sgd(model, dp):
