@@ -140,6 +140,50 @@ def test_library_optimizers_refuse_bfloat16_params_naming_torch_ones(comm):
             make()
 
 
+def train_half(model, update_owner, comm, inputs, first):
+    """Steps `first`, `first + 1`, ... of `inputs` (global numbering) under a Join."""
+    dp = DataParallel(model.parameters(), comm=comm, bucket_cap_mb=1e-4,
+                      update=update_owner.step)
+    with Join([dp]):
+        for t in range(first, first + inputs[comm.rank]):
+            model.zero_grad()
+            with dp.step():
+                loss_of(model, comm.rank, t).backward()
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-3)  # float16 holds 1e-3
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_a_half_run_resumes_from_a_checkpoint_bitwise(comm, tmp_path, name):
+    """Two uneven Joins in a row, or the first, a checkpoint, fresh objects and the second."""
+    from tensorplay_mpi import checkpoint
+    from tensorplay_mpi.checkpoint import load_state_arrays, state_arrays
+    dtype = FORMATS[name][2]
+    inputs = inputs_of("three_plus_rank", comm.size)
+    model = Small().to(dtype)
+    opt = adamw(model)
+    train_half(model, opt, comm, inputs, 0)
+    directory = comm.bcast(str(tmp_path))
+    checkpoint.save(directory, model.parameters(), extra=state_arrays(opt, "opt"), comm=comm)
+    train_half(model, opt, comm, inputs, max(inputs))
+
+    again = Small().to(dtype)
+    opt2 = adamw(again)
+    resumed = checkpoint.load(directory, again.parameters(), comm=comm)
+    load_state_arrays(opt2, resumed.extra, "opt")
+    train_half(again, opt2, comm, inputs, max(inputs))
+    bits = [t.view(torch.int16).numpy().tobytes() for m, o in ((model, opt), (again, opt2))
+            for t in [*[p.detach() for p in m.parameters()],
+                      *[v for s in o.state.values() for v in s.values() if v.dtype == dtype]]]
+    half = len(bits) // 2
+    assert_all(bits[:half] == bits[half:], "the resumed run differs from the one never stopped")
+    assert_all(same_everywhere([np.frombuffer(b, np.uint8) for b in bits], comm),
+               "parameters or optimizer state differ between ranks")
+
+
 def test_float16_sums_beyond_its_range_average_to_the_exact_mean(recwarn):
     """Two ranks' 60000 sum to 120000, beyond float16 (65504) but not float32: the mean is
     60000, not the infinity a float16 sum gives; a mean of 70000 is infinite, and NaN stays
