@@ -19,7 +19,7 @@ every rank.
 import numpy as np
 import pytest
 
-from tensorplay_mpi import DataParallel, Join
+from tensorplay_mpi import DataParallel, Join, JoinableComm
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 torch = pytest.importorskip("torch")
@@ -68,17 +68,23 @@ def mean_bound(terms, size, name):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_half_gradients_are_the_mean_rounded_once(comm, name, pattern):
+def test_half_gradients_are_the_mean_rounded_once(comm, name, pattern, stream):
+    """`stream`: a JoinableComm's allreduce in each step, as SyncBatchNorm's (the step's
+    collectives then go as one announced block while a rank has joined)."""
     inputs = inputs_of(pattern, comm.size) if pattern != "even" else [4] * comm.size
     params = params_of(name)
     seen = []
     dp = DataParallel(params, comm=comm, bucket_cap_mb=1e-5,  # a bucket per parameter
                       update=lambda: seen.append([as_float64(g) for g in dp.grads]))
-    with Join([dp]):
+    jc = JoinableComm(comm)
+    with Join([dp, jc] if stream else [dp]):
         for t in range(inputs[comm.rank]):
             with dp.step():
+                if stream:
+                    jc.allreduce(np.ones(2))
                 for i in range(len(SHAPES)):
                     dp.grads[i] = gradient(comm.rank, t, i, name).astype(
                         np.float16 if FORMATS[name][2] is None else np.float64)
