@@ -15,7 +15,9 @@ Wire schedule of one active step (a joined rank's main hook shadows exactly this
    ``Iallreduce(int64[1], MAX)`` of the rank (joined ranks send -1): the count, the sync flag,
    the divisor and the highest active rank, the root of the buffer broadcast.  Its size does not
    grow with the number of ranks;
-3. when the step synchronises: one ``Iallreduce(IN_PLACE, SUM)`` per bucket, in bucket order;
+3. when the step synchronises: one ``Iallreduce(IN_PLACE, SUM)`` per bucket, in bucket order
+   (float32 for a half-precision bucket; with ``compress=``, a uint16 wire and a user-defined
+   16-bit sum);
 4. when there are buffers, at the step's end: one ``Ibcast`` per buffer from the highest active
    rank, so that every rank holds the same buffers wherever a user can look (a save included).
 
