@@ -15,7 +15,13 @@ Every timing is the slowest rank's, the median over interleaved repeats (A, B, B
 4. ``shadow``:  time a joined rank spends in one main-hook round / the active ranks'
                 communication time per step (target <= 1.1);
 5. ``debug``:   step time with the ``TENSORPLAY_MPI_DEBUG`` signature checks / without (a cost
-                to report, no target).
+                to report, no target);
+6. ``compress_bf16``, ``compress_fp16``: reduction of all gradients with
+                ``compress="bf16"`` (``"fp16"``), half the bytes on the wire and a Python
+                reduction operation, / without (no target: DDP's hooks pay off where the
+                network, not the CPU, is the bottleneck);
+7. ``float16``: reduction of a float16 model's gradients (widened to float32 on the wire) /
+                a float32 model's (no target: the same wire, plus the conversions).
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from tensorplay_mpi.parallel import _reducer as reducer
 from tensorplay_mpi.settings import settings
 
 TARGETS = {"join": 1.02, "reduce": 1.10, "reduce_vs_manual": 1.10, "overlap": 0.9,
-           "shadow": 1.1, "debug": None}
+           "shadow": 1.1, "debug": None, "compress_bf16": None, "compress_fp16": None,
+           "float16": None}
 PIECES = 8  # parameters per model, equal sizes
 
 
@@ -88,6 +95,7 @@ def bench_size(comm: MPI.Intracomm, total: int, steps: int, repeats: int,
     def refill(model: DataParallel) -> None:
         for bucket in model._reducer._buckets:
             bucket.flat.fill(1.0)  # keeps values normal (repeated averaging would denormalise)
+            bucket.memory.fill(1.0)  # a float16 bucket's gradients (else flat's)
         flat.fill(1.0)
 
     def reduce_only(model: DataParallel) -> None:
@@ -112,6 +120,14 @@ def bench_size(comm: MPI.Intracomm, total: int, steps: int, repeats: int,
         return side_by_side(comm, lambda: train(split, True, True),
                             lambda: train(split, True, False), repeats)
 
+    def against_plain(other: DataParallel) -> dict:
+        """A step of `other` reducing every gradient / the same step of `dp`."""
+        def setup() -> None:
+            refill(other)
+            refill(dp)
+        return side_by_side(comm, lambda: reduce_only(other), lambda: reduce_only(dp),
+                            repeats, setup=setup)
+
     ratios = {
         "join": lambda: side_by_side(comm, lambda: train(dp, True, False),
                                      lambda: train(dp, False, False), repeats),
@@ -127,7 +143,12 @@ def bench_size(comm: MPI.Intracomm, total: int, steps: int, repeats: int,
         "debug": lambda: side_by_side(
             comm, lambda: debug_mode(True, lambda: train(dp, True, False)),
             lambda: train(dp, True, False), repeats),
+        "compress_bf16": lambda: against_plain(DataParallel(params, comm=comm, compress="bf16")),
+        "compress_fp16": lambda: against_plain(DataParallel(params, comm=comm, compress="fp16")),
+        "float16": lambda: against_plain(DataParallel(
+            [np.zeros(p.size, np.float16) for p in params], comm=comm)),
     }
+
     results = {name: ratios[name]() for name in only}
     return results
 

@@ -21,7 +21,10 @@ DP_FIGURES = {"join": "a step in a Join / without, even inputs",
               "reduce_vs_manual": "the reduction / a raw Allreduce and the division",
               "overlap": "a step with mark_ready / without",
               "shadow": "a joined rank's round / the active ranks' step",
-              "debug": "debug mode / without"}
+              "debug": "debug mode / without",
+              "compress_bf16": "the reduction with compress='bf16' / without",
+              "compress_fp16": "the reduction with compress='fp16' / without",
+              "float16": "a float16 model's reduction / a float32 model's"}
 
 
 def rows(results: Path) -> list[tuple[str, float, float | None]]:

@@ -116,7 +116,8 @@ def _begin(what: str, comm: MPI.Intracomm | None, timeout: float | None,
     error = refused
     try:
         if error is None:
-            arrays = as_arrays(list(params), "params"), as_arrays(list(buffers), "buffers")
+            arrays = (as_arrays(list(params), "params", bits=True),  # bfloat16: its bits
+                      as_arrays(list(buffers), "buffers", bits=True))
     except Exception as failed:  # a DLPack export's BufferError too, or a failing generator
         error = failed
     forms = agree_or_raise(comm, error, f"checkpoint {what} (the arrays)", timeout, int(mapping))

@@ -2,7 +2,8 @@
 
 A torch ``state_dict()`` is a tree of dicts, lists and tuples holding tensors, numbers,
 strings, booleans and None.  :func:`state_arrays` turns it into flat NumPy arrays under one
-prefix: every tensor becomes an array of its dtype (``"PREFIX/3"``), the tree around them one
+prefix: every tensor becomes an array of its dtype (``"PREFIX/3"``; bfloat16, which NumPy
+lacks, its bits as int16, marked in the tree), the tree around them one
 JSON string (``"PREFIX/tree"``), in which floats round-trip exactly.  These are what
 :func:`tensorplay_mpi.checkpoint.save` takes as `extra` and loads without pickle;
 :func:`load_state_arrays` rebuilds the state dict and loads it::
@@ -59,7 +60,8 @@ def state_arrays(obj: Any, prefix: str) -> dict[str, np.ndarray]:
         For an `obj` without ``state_dict()``; for a value that is none of the above (a
         function a scheduler kept, say: construct
         the scheduler with it again and it is not state), or a tensor NumPy cannot hold
-        (bfloat16, on a GPU), naming where it is in the state dict.
+        (complex with the conjugate bit set, say), naming where it is in the state dict.
+        bfloat16 tensors are saved as their bits (int16) and loaded as bfloat16.
     """
     _check_prefix(prefix)
     _check_stateful(obj, "state_dict")
@@ -110,6 +112,9 @@ def encode_tree(value: Any, arrays: dict[str, Any], prefix: str, where: str) -> 
         host = extra_array(prefix, value.value, where)
         return {"per_rank": _number(arrays, prefix, PerRank(host))}
     if torch is not None and isinstance(value, torch.Tensor):
+        if value.dtype == torch.bfloat16:  # NumPy lacks it: its bits, as int16
+            host = value.detach().cpu().view(torch.int16).numpy().copy()
+            return {"tensor": _number(arrays, prefix, host), "dtype": "bfloat16"}
         try:  # a CUDA tensor: a host copy (torch's load_state_dict moves it back)
             host = value.detach().cpu().numpy().copy()
         except (TypeError, RuntimeError) as error:
@@ -167,7 +172,9 @@ def decode_tree(tree: Any, arrays: Mapping[str, np.ndarray], prefix: str,
         key = f"{prefix}/{tree['per_rank']}"
         return np.array(arrays[key]) if key in arrays else ABSENT
     if "tensor" in tree:
-        return sys.modules["torch"].from_numpy(np.array(arrays[f"{prefix}/{tree['tensor']}"]))
+        torch = sys.modules["torch"]
+        tensor = torch.from_numpy(np.array(arrays[f"{prefix}/{tree['tensor']}"]))
+        return tensor.view(torch.bfloat16) if tree.get("dtype") == "bfloat16" else tensor
     if "ndarray" in tree:
         return np.array(arrays[f"{prefix}/{tree['ndarray']}"])
     if "numpy" in tree:

@@ -31,7 +31,7 @@ from .._process import set_up
 from . import _rules as rules
 from ._clip import clip_grad_norm
 from ._linked import LinkedOptimizer
-from ._protocol import OptimizerState, check_params, check_state
+from ._protocol import OptimizerState, check_params, refuse_bfloat16, check_state
 
 
 def _values(group: dict[str, Any]) -> dict[str, Any]:
@@ -89,7 +89,7 @@ class Optimizer(LinkedOptimizer, ElasticJoinable, OptimizerState):
                  comm: MPI.Intracomm | None = None, **defaults: Any) -> None:
         super().__init__()
         self.comm = check_comm(self._link_grads(grads, comm))
-        self.params = as_arrays(params, "params")  # torch tensors: NumPy views
+        self.params = as_arrays(refuse_bfloat16(params), "params")  # torch tensors: NumPy views
         self.grads = as_arrays(grads, "grads")
         check_params(self.params, self.grads)
         self.defaults = dict(defaults)

@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
 from ..comm._buffers import check_disjoint
+from ..comm._tensors import is_bfloat16
 
 
 class OptimizerState(ABC):
@@ -90,6 +91,22 @@ class OptimizerState(ABC):
 def is_writeable(array: Any) -> bool:
     """Whether `array` may be written (CuPy's flags have no such field: always)."""
     return getattr(array.flags, "writeable", True)
+
+
+def refuse_bfloat16(params: Sequence[Any]) -> list[Any]:
+    """`params` as a list; ``TypeError`` for a bfloat16 tensor among them.
+
+    The update rules are NumPy's, and NumPy has no bfloat16 (float16 it has: those run in
+    it).  A bfloat16 model keeps a torch optimizer, stepped by DataParallel's ``update=``."""
+    params = list(params)
+    for i, p in enumerate(params):
+        if is_bfloat16(p):
+            raise TypeError(
+                f"params[{i}] is bfloat16, which NumPy lacks: the library's optimizers (and "
+                "ZeroRedundancyOptimizer) step float16, float32 and float64 params; train a "
+                "bfloat16 model with a torch optimizer, DataParallel(model.parameters(), "
+                "update=opt.step)")
+    return params
 
 
 def check_params(params: list[Any], grads: list[Any]) -> None:

@@ -27,7 +27,7 @@ from ..comm._tensors import as_arrays
 from ._clip import clip_grad_norm
 from ._linked import LinkedOptimizer
 from ._local import Adam, Optimizer
-from ._protocol import OptimizerState, check_params, check_state, is_writeable
+from ._protocol import OptimizerState, check_params, refuse_bfloat16, check_state, is_writeable
 
 _TAG = 0x2E60  # of the state messages of consolidate_state_dict
 
@@ -88,7 +88,7 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
                  optimizer_class: type[Optimizer] = Adam, comm: MPI.Intracomm | None = None,
                  timeout: float | None = None, **defaults: Any) -> None:
         super().__init__(self._link_grads(grads, comm), timeout)
-        self.params = as_arrays(params, "params")  # torch tensors: NumPy views
+        self.params = as_arrays(refuse_bfloat16(params), "params")  # torch tensors: NumPy views
         grads = as_arrays(grads, "grads")
         try:  # memory sharing is no part of the layout: a rank that has it refuses
             check_disjoint(params=self.params, grads=grads)

@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 
 from ..comm._buffers import zeros_like
+from ._compress import Compression
+from ._narrow import NARROW, WIRE, Widening
 
 
 class Bucket:
@@ -20,19 +22,49 @@ class Bucket:
     step averages per sample, else zeros): the bucket's allreduce sums them with the
     gradients, so every rank learns how many ranks used each parameter, and how many samples
     the active ranks' gradients came from, without a message of its own.
+
+    A half-precision bucket (float16, bfloat16 bits) keeps its gradients in ``memory``, in
+    the parameters' format, and ``flat`` in float32 (:mod:`.narrow`): :meth:`pack` widens
+    them into it before the allreduce, :meth:`unpack` rounds the mean back after it.
+    Elsewhere ``memory`` is ``grads``, and both are no-ops.  A compressed bucket
+    (:mod:`.compress`, float32) has a ``compression``: its 16-bit wire.
     """
 
-    __slots__ = ("flat", "grads", "members", "index", "flags", "samples", "all_used")
+    __slots__ = ("flat", "grads", "memory", "members", "index", "flags", "samples",
+                 "all_used", "compression", "_widening")
 
-    def __init__(self, like: Any, members: list[int], sizes: list[int]) -> None:
+    def __init__(self, like: Any, members: list[int], sizes: list[int],
+                 compress: str | None = None) -> None:
         n, m = sum(sizes), len(members)
-        self.flat = zeros_like(like, n + m + 2)  # on the device and kind of `like`
-        self.grads = self.flat[:n]
+        narrow = like.dtype in NARROW
+        # on the device and kind of `like`
+        self.flat = zeros_like(like, n + m + 2, WIRE if narrow else None)
+        self.grads = self.flat[:n]  # the gradients as reduced
+        self.memory = zeros_like(like, n) if narrow else self.grads  # where p.grad lives
+        self._widening = Widening(self.memory, self.grads) if narrow else None
+        self.compression = None if compress is None else Compression(compress, self.flat)
         self.members = members  # parameter indices, in fill (reverse parameter) order
         self.index = np.asarray(members, dtype=np.intp)
         self.flags = self.flat[n:n + m]  # the "used" flags, summed with the gradients
         self.samples = self.flat[n + m:]  # [samples, 1] per rank averaging per sample
         self.all_used = True  # every member was used by some rank in the last step
+
+    def pack(self) -> None:
+        """Before the allreduce: the gradients into ``flat`` (half precision: widened)."""
+        if self._widening is not None:
+            self._widening.widen()
+
+    def unpack(self) -> None:
+        """After the allreduce and :meth:`divide`: the mean into ``memory`` (half precision:
+        rounded once)."""
+        if self._widening is not None:
+            self._widening.round()
+
+    def zero(self) -> None:
+        """Every gradient and slot zero."""
+        self.flat.fill(0)
+        if self._widening is not None:
+            self.memory.fill(0)
 
     def divide(self, divisor: float) -> None:
         """``flat /= divisor``, bitwise: by a power of two through its reciprocal (exact, and
@@ -62,14 +94,17 @@ class Bucket:
             self.flags.set(has.astype(self.flags.dtype))
 
 
-def make_buckets(params: list[np.ndarray], cap_bytes: float,
-                 frozen: Sequence[bool] = ()) -> tuple[list[Bucket], list[int], list[np.ndarray]]:
-    """Pack gradients of `params` into buckets of at most `cap_bytes` (one set per dtype).
+def make_buckets(params: list[np.ndarray], cap_bytes: float, frozen: Sequence[bool] = (),
+                 compress: str | None = None
+                 ) -> tuple[list[Bucket], list[int], list[np.ndarray]]:
+    """Pack gradients of `params` into buckets of at most `cap_bytes` (one set per dtype;
+    half-precision ones reduce in float32, :mod:`.narrow`).
 
     Buckets fill in reverse parameter order, the order a backward pass produces gradients;
     a parameter larger than the cap gets a bucket of its own.  A parameter flagged in
     `frozen` gets no bucket (its bucket index is -1) and a zero gradient that holds
-    no memory (a zero-stride view of one element).
+    no memory (a zero-stride view of one element).  `compress` (float32 params): every
+    bucket's wire in that 16-bit format.
 
     Returns
     -------
@@ -97,11 +132,11 @@ def make_buckets(params: list[np.ndarray], cap_bytes: float,
     buckets, bucket_of = [], [-1] * len(params)
     views = {i: _no_gradient(params[i]) for i in range(len(params)) if frozen[i]}
     for k, (_, members) in enumerate(plans):
-        bucket = Bucket(params[members[0]], members, [params[i].size for i in members])
+        bucket = Bucket(params[members[0]], members, [params[i].size for i in members], compress)
         offset = 0
         for i in members:
             size = params[i].size
-            views[i] = bucket.flat[offset:offset + size].reshape(params[i].shape)
+            views[i] = bucket.memory[offset:offset + size].reshape(params[i].shape)
             bucket_of[i] = k
             offset += size
         buckets.append(bucket)

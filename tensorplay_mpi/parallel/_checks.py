@@ -16,7 +16,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from ..comm._buffers import check_disjoint, device_of, is_device_array
-from ..comm._tensors import as_arrays, is_tensor
+from ..comm._tensors import as_arrays, is_bfloat16, is_tensor
+from ._compress import COMPRESSIONS
+from ._narrow import format_name
 from ._torch_grads import check_unbound, frozen_mask
 
 
@@ -33,10 +35,12 @@ class Arguments(NamedTuple):
     device: str
     broadcast_from: int
     update: Callable[[], Any] | None
+    compress: str | None
+    """None, or the 16-bit format of the wire: ``"bf16"`` or ``"fp16"``."""
 
 
 def check_construction(params: Any, buffers: Any, bucket_cap_mb: Any, broadcast_from: Any,
-                       update: Any, size: int) -> Arguments:
+                       update: Any, size: int, compress: Any = None) -> Arguments:
     """DataParallel's arguments, checked on this rank.
 
     Raises
@@ -53,7 +57,24 @@ def check_construction(params: Any, buffers: Any, bucket_cap_mb: Any, broadcast_
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
     root = _check_rank(broadcast_from, "broadcast_from", size)
-    return Arguments(given, arrays, buffer_arrays, frozen, device, root, _check_update(update))
+    _check_compress(compress, arrays, device)
+    return Arguments(given, arrays, buffer_arrays, frozen, device, root, _check_update(update),
+                     compress)
+
+
+def _check_compress(compress: Any, arrays: list[Any], device: str) -> None:
+    """Raise unless `compress` is None, or ``"bf16"`` or ``"fp16"`` with float32 params on
+    the CPU."""
+    if compress is None:
+        return
+    if compress not in COMPRESSIONS:
+        raise ValueError(f"compress must be None, 'bf16' or 'fp16', got {compress!r}")
+    for i, array in enumerate(arrays):
+        if array.dtype != np.float32:
+            raise TypeError(f"compress={compress!r} takes float32 params (as DDP's compression "
+                            f"hooks), params[{i}] is {format_name(array.dtype)}")
+    if device != "cpu":
+        raise TypeError(f"compress={compress!r} takes params on the CPU, got {device}")
 
 
 def _check_arrays(given: Any, name: str, floating: bool) -> tuple[list[Any], list[Any]]:
@@ -63,13 +84,13 @@ def _check_arrays(given: Any, name: str, floating: bool) -> tuple[list[Any], lis
         raise TypeError(f"{name}: pass a sequence of arrays (got one "
                         f"{type(given).__name__}: use [array])")
     given = list(given)
-    arrays = as_arrays(given, name)
+    arrays = as_arrays(given, name, bits=True)  # bfloat16: its bits, int16
     for i, array in enumerate(arrays):
         if not (isinstance(array, np.ndarray) or is_device_array(array)):
             raise TypeError(f"{name}[{i}] must be a NumPy or CuPy array or a torch tensor, "
                             f"got {type(array).__name__}")
-        if floating and array.dtype not in (np.float32, np.float64):
-            raise TypeError(f"{name}[{i}] must be float32 or float64, got {array.dtype}")
+        if floating:
+            _check_floating(given[i], array, f"{name}[{i}]")
         if array.dtype == object:
             raise TypeError(f"{name}[{i}] has dtype object, which MPI cannot send")
         if not array.flags.c_contiguous:
@@ -78,6 +99,20 @@ def _check_arrays(given: Any, name: str, floating: bool) -> tuple[list[Any], lis
             raise ValueError(f"{name}[{i}] is read-only: DataParallel writes it on every rank "
                              "(broadcasts from other ranks, in-place updates)")
     return given, arrays
+
+
+def _check_floating(given: Any, array: Any, name: str) -> None:
+    """Raise ``TypeError`` unless `array` (of the caller's `given`) is a float32 or float64
+    array, or a float16 or bfloat16 one in host memory (reduced through float32)."""
+    if array.dtype in (np.float32, np.float64):
+        return
+    if array.dtype == np.float16 or is_bfloat16(given):
+        if not isinstance(array, np.ndarray):
+            kind = "bfloat16" if is_bfloat16(given) else "float16"
+            raise TypeError(f"{name} is {kind} on a GPU: DataParallel takes half-precision "
+                            "params on the CPU")
+        return
+    raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, got {array.dtype}")
 
 
 def _contiguous_remedy(given: Any) -> str:
@@ -113,10 +148,11 @@ def _check_rank(value: Any, name: str, size: int) -> int:
 
 
 def check_step(micro_batches: Any, unused: Sequence[int], samples: Any,
-               bound: np.ndarray) -> tuple[int, np.ndarray | None, int | None]:
+               bound: np.ndarray, compress: str | None = None
+               ) -> tuple[int, np.ndarray | None, int | None]:
     """``dp.step()``'s arguments: `micro_batches` and `samples` as ints, `unused` as an index
     array (None if empty); `bound` says, per parameter, whether autograd tells whether it is
-    used (a torch parameter that requires gradients).
+    used (a torch parameter that requires gradients); `compress`, the DataParallel's.
 
     Raises
     ------
@@ -124,7 +160,9 @@ def check_step(micro_batches: Any, unused: Sequence[int], samples: Any,
         If `micro_batches` is not an int, `samples` not an int or None, or `unused` not a
         sequence of ints.
     ValueError
-        If ``micro_batches < 1``, ``samples < 0``, or `unused` names a bound parameter.
+        If ``micro_batches < 1``, ``samples < 0``, `samples` with `compress` (the sample
+        counts would ride in 16 bits, exact only to 256 in bfloat16), or `unused` names a
+        bound parameter.
     IndexError
         If `unused` names no parameter.
     """
@@ -138,6 +176,9 @@ def check_step(micro_batches: Any, unused: Sequence[int], samples: Any,
         raise TypeError(f"samples must be an int >= 0 or None, got {samples!r}")
     if samples is not None and samples < 0:
         raise ValueError(f"samples must be an int >= 0 or None, got {samples!r}")
+    if samples is not None and compress is not None:
+        raise ValueError(f"samples= with compress={compress!r}: the sample counts would be "
+                         "summed in 16 bits; average per sample without compress")
     return int(micro_batches), indices, None if samples is None else int(samples)
 
 

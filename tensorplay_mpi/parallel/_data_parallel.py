@@ -15,7 +15,9 @@ Wire schedule of one active step (a joined rank's main hook shadows exactly this
    ``Iallreduce(int64[1], MAX)`` of the rank (joined ranks send -1): the count, the sync flag,
    the divisor and the highest active rank, the root of the buffer broadcast.  Its size does not
    grow with the number of ranks;
-3. when the step synchronises: one ``Iallreduce(IN_PLACE, SUM)`` per bucket, in bucket order;
+3. when the step synchronises: one ``Iallreduce(IN_PLACE, SUM)`` per bucket, in bucket order
+   (float32 for a half-precision bucket; with ``compress=``, a uint16 wire and a user-defined
+   16-bit sum);
 4. when there are buffers, at the step's end: one ``Ibcast`` per buffer from the highest active
    rank, so that every rank holds the same buffers wherever a user can look (a save included).
 
@@ -48,6 +50,7 @@ from ..algorithms._guarded_joinable import GuardedJoinable
 from ..algorithms.join import JOIN_CHECK, ElasticJoinable, Join, JoinHook
 from ._checks import check_construction, check_step
 from ._gradient_link import PlaceCheck
+from ._narrow import format_name
 from ._reducer import Reducer, Step
 
 _ENTERED: list[Step] = []  # the dp.step() blocks this process is inside, innermost last
@@ -111,8 +114,9 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
     params : sequence of arrays or torch tensors
         The trained arrays (NumPy or CuPy, or torch tensors such as ``model.parameters()``,
         on the CPU or CUDA; all on one device), owned and updated in place by the caller; writeable,
-        C-contiguous float32 or float64 (one bucket set per dtype).  Buckets, zeroing and
-        averaging stay on that device.  A torch parameter that requires gradients gets
+        C-contiguous float32 or float64, or on the CPU float16 or bfloat16 (one bucket set per
+        dtype; half precision is summed and divided in float32, then rounded once).  Buckets,
+        zeroing and averaging stay on that device.  A torch parameter that requires gradients gets
         ``p.grad`` bound to its bucket view, so that ``loss.backward()`` writes there; the
         binding is repaired at each step (``model.zero_grad()`` unbinds it).
     comm : mpi4py.MPI.Intracomm, optional
@@ -138,6 +142,13 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
         goes with it (``clip_grad_norm_``, ``opt.step()``, ``sched.step()``): parameters,
         optimizer and scheduler state then stay identical on every rank, with any optimizer.
         An exception in it raises on every rank.  The recommended torch loop.
+    compress : {None, "bf16", "fp16"}, default None
+        Reduce float32 gradients in 16 bits on the wire, as DDP's ``bf16_compress_hook`` and
+        ``fp16_compress_hook``: each rank's bucket is divided, rounded to bfloat16 (float16),
+        summed in that format (every addition rounds) and widened back into the float32
+        bucket.  Half the bytes on the wire, a 16-bit format's precision in the average;
+        replicas stay bitwise identical.  float32 params on the CPU; not with
+        ``dp.step(samples=)``.
 
     Attributes
     ----------
@@ -170,7 +181,8 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
     ------
     TypeError
         On every rank, if a rank passed one array instead of a sequence, a non-array, integer
-        or object params, or a `broadcast_from` that is not an int.
+        or object params, half-precision params on a GPU, or a `broadcast_from` that is not an
+        int.
     ValueError
         On every rank, if a rank passed non-contiguous or read-only arrays, arrays on several
         devices, ``bucket_cap_mb <= 0``, a `broadcast_from` that is not a rank, or if ranks
@@ -211,23 +223,26 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
         timeout: float | None = None,
         overlap: bool = True,
         update: Callable[[], Any] | None = None,
+        compress: str | None = None,
     ) -> None:
         super().__init__(comm, timeout)
         refused, layout = None, None
         try:
             args = check_construction(params, buffers, bucket_cap_mb, broadcast_from, update,
-                                      self.size)
+                                      self.size, compress)
             broadcast_from = args.broadcast_from
-            layout = ([(a.shape, a.dtype.str) for a in args.params],
+            layout = ([(a.shape, format_name(a.dtype)) for a in args.params],
                       [(a.shape, a.dtype.str) for a in args.buffers],
-                      [i for i, f in enumerate(args.frozen) if f])
+                      [i for i, f in enumerate(args.frozen) if f], compress)
         except (TypeError, ValueError) as error:
             refused = error
-        self._check_arguments(refused, layout, "parameter or buffer shapes/dtypes, or frozen "
-                              "parameters", f"params {layout and layout[0]}, buffers "
-                              f"{layout and layout[1]} and frozen params {layout and layout[2]}",
+        self._check_arguments(refused, layout, "parameter or buffer shapes/dtypes, frozen "
+                              "parameters or compress", f"params {layout and layout[0]}, "
+                              f"buffers {layout and layout[1]}, frozen params "
+                              f"{layout and layout[2]} and compress={layout and layout[3]!r}",
                               broadcast_from=broadcast_from, bucket_cap_mb=bucket_cap_mb)
         self.params, self.buffers, self.device = args.params, args.buffers, args.device
+        self.compress = args.compress
         self._reducer = Reducer(self, args, bucket_cap_mb * 2**20, overlap)
         self.grads, self.used = self._reducer.grads, self._reducer.used
         checks = (getattr(p, JOIN_CHECK, None) for p in args.given)
@@ -331,7 +346,7 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
         next use of ``dp`` raises ``RuntimeError``.
         """
         micro_batches, unused_indices, samples = check_step(micro_batches, unused, samples,
-                                                            self._reducer.bound)
+                                                            self._reducer.bound, self.compress)
         return _MustEnter(self, self._run_step(micro_batches, unused_indices, samples), "step")
 
     @contextlib.contextmanager

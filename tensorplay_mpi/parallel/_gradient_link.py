@@ -13,6 +13,8 @@ deterministic from the Join's list, so every rank raises at the same point.
 
 from __future__ import annotations
 
+import sys
+
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ..comm._collectives import default_comm
-from ..comm._tensors import as_array
+from ..comm._tensors import as_array, is_bfloat16
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -102,7 +104,10 @@ class GradientViews(Sequence):
         if tuple(shape) != view.shape:
             raise ValueError(f"grads[{index}] has shape {tuple(view.shape)}, got an array of shape "
                              f"{tuple(shape)}")
-        as_array(view)[...] = as_array(value)
+        if is_bfloat16(view):  # no NumPy view: torch rounds to it
+            view.copy_(sys.modules["torch"].as_tensor(value))
+        else:
+            as_array(view)[...] = as_array(value)
 
     def __repr__(self) -> str:
         return f"GradientViews({[v.shape for v in self._views]})"

@@ -95,7 +95,8 @@ class Reducer:
                  overlap: bool) -> None:
         self._owner = weakref.ref(owner)
         self.params, self.buffers, self.update = args.params, args.buffers, args.update
-        self._buckets, self._bucket_of, views = make_buckets(self.params, cap_bytes, args.frozen)
+        self._buckets, self._bucket_of, views = make_buckets(self.params, cap_bytes, args.frozen,
+                                                             args.compress)
         self.grads = GradientViews([like(p, v) for p, v in zip(args.given, views)], owner)
         self.broadcast(self.params + self.buffers, args.broadcast_from, "initial broadcast")
         self._overlap = overlap
@@ -133,7 +134,7 @@ class Reducer:
         """Every gradient zero, between torch's kernels (``dp.zero_grad()``)."""
         with torch_cuda.handed():  # filled after torch's last reads, and backward() after it
             for bucket in self._buckets:
-                bucket.flat.fill(0)
+                bucket.zero()
 
     # -- the step of an active rank -----------------------------------------------------------
 
@@ -288,13 +289,18 @@ class Reducer:
                 bucket.flags.fill(1)
             else:
                 self._set_flags(bucket)
+            bucket.pack()
             if step.samples is not None:  # this rank's mean, weighted by its samples
                 bucket.grads *= step.samples  # (the slots are zero otherwise: see _divisor)
                 bucket.samples[0], bucket.samples[1] = step.samples, 1
         if shadow:  # a joined rank sends zeros, in place as the active ranks (see iallreduce)
             bucket.flat.fill(0)
+        wire, op = bucket.flat, MPI.SUM
+        if bucket.compression is not None:  # divided first, as DDP's compression hooks
+            bucket.divide(step.divisor or 1)  # (unresolved on a failure path: no matter)
+            wire, op = bucket.compression.compress(), bucket.compression.op
         step.works.append(iallreduce(
-            self._dp.comm, MPI.IN_PLACE, bucket.flat, MPI.SUM,
+            self._dp.comm, MPI.IN_PLACE, wire, op,
             f"bucket {k + 1} of {len(self._buckets)} (step {step.number})"))
 
     def _set_flags(self, bucket: Any) -> None:
@@ -304,7 +310,7 @@ class Reducer:
         bucket.write_flags(has)
         if not has.all():
             for i in bucket.index[~has].tolist():
-                as_array(self.grads[i])[...] = 0
+                as_array(self.grads[i], bits=True)[...] = 0
 
     def _finish_buckets(self, step: Step, shadow: bool = False) -> None:
         """Start the buckets not started yet (a joined rank: all, sending zeros), then average;
@@ -326,7 +332,11 @@ class Reducer:
             dp._wait(works[k])
             if len(works) == k + 1 and k < last:
                 self._start_bucket(step, k + 1, shadow)  # posted before this bucket's division
-            bucket.divide(self._divisor(step, bucket))
+            if bucket.compression is None:
+                bucket.divide(self._divisor(step, bucket))
+            else:
+                bucket.compression.decompress()
+            bucket.unpack()
             if bucket.flags.all():  # every member used by some rank: the usual case (on a
                 if not bucket.all_used:  # device, read there: no copy to the host)
                     self.used[bucket.index] = bucket.all_used = True

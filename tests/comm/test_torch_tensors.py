@@ -34,12 +34,10 @@ def test_a_parameter_is_viewed_without_a_copy_and_wrapped_back():
     assert like(np.zeros(1), view) is view
 
 
-@pytest.mark.parametrize("tensor, match", [
-    (torch.zeros(2, device="meta"), "torch tensor on meta: tensorplay_mpi takes torch tensors "
-                                    "on the CPU and on CUDA devices"),
-    (torch.zeros(2, dtype=torch.bfloat16), "dtype torch.bfloat16 has no NumPy view"),
-])
-def test_tensors_without_a_numpy_view_are_a_type_error_everywhere(tensor, match):
+def test_tensors_without_a_numpy_view_are_a_type_error_everywhere():
+    tensor = torch.zeros(2, device="meta")
+    match = ("torch tensor on meta: tensorplay_mpi takes torch tensors on the CPU and on CUDA "
+             "devices")
     with pytest.raises(TypeError, match=match):
         DataParallel([tensor], comm=MPI.COMM_SELF)
     with pytest.raises(TypeError, match=match):
@@ -47,6 +45,19 @@ def test_tensors_without_a_numpy_view_are_a_type_error_everywhere(tensor, match)
     with pytest.raises(TypeError, match=match):
         JoinableComm(MPI.COMM_SELF).allreduce(tensor)
     with pytest.raises(TypeError, match=match):
+        Adam([tensor], [tensor])
+
+
+def test_bfloat16_is_refused_where_it_would_be_computed_on():
+    """A bfloat16 tensor's int16 view would sum as integers: collectives and the library's
+    optimizers refuse it (DataParallel reduces it through float32: tests/parallel/test_half)."""
+    tensor = torch.zeros(2, dtype=torch.bfloat16)
+    match = "dtype torch.bfloat16 has no NumPy view"
+    with pytest.raises(TypeError, match=match):
+        iallreduce(MPI.COMM_SELF, tensor, tensor)
+    with pytest.raises(TypeError, match=match):
+        JoinableComm(MPI.COMM_SELF).allreduce(tensor)
+    with pytest.raises(TypeError, match="params\\[0\\] is bfloat16, which NumPy lacks"):
         Adam([tensor], [tensor])
 
 

@@ -70,8 +70,9 @@ def test_grads_write_of_the_wrong_shape_is_a_value_error(dp):
 
 
 @pytest.mark.parametrize("params, error, match", [
-    ([np.zeros(3, np.int64)], TypeError, r"params\[0\] must be float32 or float64, got int64"),
-    ([np.zeros(3, object)], TypeError, "float32 or float64"),
+    ([np.zeros(3, np.int64)], TypeError,
+     r"params\[0\] must be float32, float64, float16 or bfloat16, got int64"),
+    ([np.zeros(3, object)], TypeError, "float32, float64, float16 or bfloat16"),
     ([[1.0, 2.0]], TypeError, "must be a NumPy or CuPy array or a torch tensor, got list"),
     ([np.zeros((4, 4))[:, 1]], ValueError, "C-contiguous"),
     (np.zeros(3), TypeError, r"pass a sequence of arrays \(got one ndarray: use \[array\]\)"),

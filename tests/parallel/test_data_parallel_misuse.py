@@ -54,7 +54,7 @@ def test_a_read_only_param_on_a_non_root_rank_fails_on_every_rank(comm):
 def test_int_params_on_one_rank_fail_on_every_rank(comm):
     param = np.zeros(3, dtype=np.int64 if comm.rank == 0 else np.float64)
     error = error_of(lambda: DataParallel([param], comm=comm))
-    text = ("must be float32 or float64" if comm.rank == 0 else
+    text = ("must be float32, float64, float16 or bfloat16" if comm.rank == 0 else
             "DataParallel argument check failed on rank(s) [0] (rank 0: TypeError: ")
     expect_everywhere(error, TypeError, text)
 
