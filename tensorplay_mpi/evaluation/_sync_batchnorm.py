@@ -147,7 +147,7 @@ _WORKING_FORM = ("convert the model without a group, then build the DataParallel
                  "jc)`, `Join([dp, jc])`")
 
 
-class _JoinCheck:
+class _LayerLink:
     """A layer's link to a DataParallel over its parameters and buffers: whether the layer
     needs the JoinableComm of a Join (it has no group), and the check that a Join made with
     the DataParallel runs: the layer must reduce through a JoinableComm of that Join, its own
@@ -160,7 +160,7 @@ class _JoinCheck:
     def __reduce__(self) -> tuple:
         return type(None), ()
 
-    def __deepcopy__(self, memo: dict) -> "_JoinCheck":
+    def __deepcopy__(self, memo: dict) -> "_LayerLink":
         return self
 
     @property
@@ -213,8 +213,8 @@ def _check_in_join(group: JoinableComm | MPI.Intracomm, given: bool) -> None:
         what = "over a plain communicator inside a running Join"
     else:
         what = ("over a plain communicator inside a running Join (converted without a group, it "
-                "reduces through the running Join's JoinableComm, and this Join has none: no "
-                "DataParallel over the model's parameters is in it)")
+                "reduces through the running Join's JoinableComm, and this Join has none: the "
+                "DataParallel over the model, built after converting it, is not in it)")
     raise RuntimeError(f"SyncBatchNorm reduces {what}, where ranks that have joined cannot "
                        f"shadow it; {_WORKING_FORM}")
 
@@ -326,7 +326,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     def _tag_tensors(self) -> None:
         """Let a DataParallel over this layer's parameters or buffers hold a JoinableComm for it
         and check the Joins it is made into."""
-        check = _JoinCheck(self)
+        check = _LayerLink(self)
         for t in (self.weight, self.bias, self.running_mean, self.running_var,
                   self.num_batches_tracked):
             if t is not None:
