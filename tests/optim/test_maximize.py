@@ -157,3 +157,24 @@ def test_zero_with_maximize_equals_torch_optim_under_uneven_inputs(comm, pattern
             zero.step()
     assert_all(close(params, torch_replay(case, inputs)), "ZeRO left serial torch")
     assert_all(gathered_equal(params, comm), "parameters differ across ranks at exit")
+
+
+@pytest.mark.mpi
+def test_a_consolidated_zero_state_carries_maximize_set_in_param_groups(comm):
+    """Set after construction, as torch's ``opt.param_groups[0]["maximize"] = True``: the
+    consolidated state carries the groups, not only the constructor's defaults."""
+    cls, _, hyper = CASES["adam"]
+    params = start()
+    grads = [np.zeros_like(p) for p in params]
+    zero = ZeroRedundancyOptimizer(params, grads, cls, comm=comm, **hyper)
+    zero.param_groups[0]["maximize"] = True
+    library_steps(zero, grads, 0, 2)
+    zero.consolidate_state_dict(to=0)
+    state = comm.bcast(zero.state_dict() if comm.rank == 0 else None, root=0)
+    resumed = ZeroRedundancyOptimizer(params, grads, cls, comm=comm, **hyper)
+    resumed.load_state_dict(state)
+    library_steps(resumed, grads, 2, STEPS)
+    tensors = [torch.tensor(p, requires_grad=True) for p in start()]
+    torch_steps(torch_optimizer("adam", tensors), tensors, map(grads_at, range(STEPS)))
+    assert_all(resumed.param_groups[0]["maximize"] is True and
+               close(params, [t.detach() for t in tensors]), "the resumed ZeRO left torch")
