@@ -83,11 +83,11 @@ test-mpi: venv  ## the MPI tests at each rank count in RANKS (files: MPI_TESTS)
 	done
 
 # The optimizer tests once more on the NumPy rules, the fused kernels off (docs/optimizers.md):
-# the serial tests of tests/optim/test_optim.py, then the MPI tests of both files.
-OPTIM_TESTS := tests/optim/test_optim.py tests/optim/test_zero.py
+# the serial tests of OPTIM_TESTS, then their MPI tests.
+OPTIM_TESTS := tests/optim/test_optim.py tests/optim/test_zero.py tests/optim/test_maximize.py
 test-unfused: venv  ## the optimizer tests again on the NumPy rules (fused kernels off)
 	TENSORPLAY_MPI_FUSED=0 $(PY) -m pytest -m "not mpi" -q --timeout=$(RUN_TIMEOUT) \
-	  --timeout-method=thread tests/optim/test_optim.py
+	  --timeout-method=thread $(OPTIM_TESTS)
 	TENSORPLAY_MPI_FUSED=0 $(MAKE) --no-print-directory test-mpi RANKS="1 2 3" \
 	  MPI_TESTS="$(OPTIM_TESTS)"
 

@@ -9,6 +9,12 @@ HYPER = {
     "adam": {"lr": 0.05, "betas": (0.8, 0.99), "eps": 1e-8},
     "adam_l2": {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-6, "weight_decay": 0.1},
     "adamw": {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1},
+    "sgd_maximize": {"lr": 0.1, "maximize": True},
+    "sgd_nesterov_maximize": {"lr": 0.05, "momentum": 0.5, "weight_decay": 0.01,
+                              "nesterov": True, "maximize": True},
+    "adam_maximize": {"lr": 0.05, "betas": (0.8, 0.99), "eps": 1e-8, "maximize": True},
+    "adam_l2_maximize": {"lr": 0.01, "eps": 1e-6, "weight_decay": 0.1, "maximize": True},
+    "adamw_maximize": {"lr": 0.01, "weight_decay": 0.1, "maximize": True},
 }
 
 
@@ -17,6 +23,8 @@ def step(kind, hyper, p, g, state, t):
 
     `state` is a dict this function fills (momentum buffer, moments).
     """
+    if hyper.get("maximize"):
+        g = -g
     if kind.startswith("sgd"):
         momentum = hyper.get("momentum", 0.0)
         d = g + hyper.get("weight_decay", 0.0) * p

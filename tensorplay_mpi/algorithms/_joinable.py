@@ -89,6 +89,12 @@ class Joinable(ABC):
         """`join` was made with this joinable: until it is entered, it may be forgotten."""
         self._made_join = join
 
+    def _brought_joinables(self, listed: "list[Joinable]") -> "list[Joinable]":
+        """Joinables of its own that a Join made of `listed` (this one among them) holds too,
+        after the listed ones: DataParallel's JoinableComm for the SyncBatchNorm layers over
+        its parameters that have no group.  The default is none."""
+        return []
+
     def replicated_arrays(self) -> "list[Any]":
         """Arrays that must be identical on every rank (parameters, replicated optimizer state).
 

@@ -52,9 +52,11 @@ SKEW_WARN_ROUNDS = 1000
 """A joined rank that shadows more rounds than this warns once about the input skew."""
 
 JOIN_CHECK = "_tensorplay_join_check"
-"""The attribute a layer sets on its parameters (SyncBatchNorm: a callable taking a Join) that
-a joinable over them (DataParallel) calls when a Join is made with it: a check between
-joinables that the Join itself does not run (not API: the library's layers set and read it)."""
+"""The attribute a layer sets on its parameters and buffers (SyncBatchNorm: a callable taking a
+Join, with a ``needs_stream`` attribute, true while the layer has no group) that a joinable over
+them (DataParallel) reads: it holds a JoinableComm for the layers that need one, and calls the
+check when a Join is made with it, a check between joinables that the Join itself does not run
+(not API: the library's layers set and read it)."""
 
 _running: list["Join"] = []  # the entered, enabled Joins of this process, innermost last
 _saving: list["Join"] = []  # the Joins whose on_save runs now
@@ -73,7 +75,10 @@ class Join:
     ----------
     joinables : list of Joinable
         At least one, all distinct and on the same communicator.  The first one sends the
-        heartbeat; hooks run in list order.
+        heartbeat; hooks run in list order.  A joinable may bring joinables of its own, which
+        follow the listed ones: a DataParallel over SyncBatchNorm layers converted without a
+        group brings the JoinableComm their statistics go through (``Join([dp])`` holds
+        ``dp``, then it).
     enable : bool, default True
         ``False`` makes the context inert (no heartbeat, no hooks), for even inputs.
     throw_on_early_termination : bool, default False
@@ -198,6 +203,11 @@ class Join:
     ) -> None:
         self._joinables = list(joinables)
         self._check_joinables()
+        listed = list(self._joinables)
+        brought = [other for joinable in listed for other in joinable._brought_joinables(listed)]
+        if brought:
+            self._joinables += brought
+            self._check_joinables()
         if not isinstance(elastic, bool):
             raise TypeError(f"elastic must be True or False, got {elastic!r}")
         if on_save is not None and not callable(on_save):

@@ -3,9 +3,9 @@
 ``tensorplay_mpi.SyncBatchNorm`` (this module, imported on first use: ``import
 tensorplay_mpi`` does not import torch) is ``torch.nn.SyncBatchNorm`` over MPI for CPU
 and CUDA tensors.  In training mode each forward pass reduces, over the ranks of its group, the
-per-channel sums of the batch and of its squares (float64) and the number of samples with the
-``micro_batches`` of the step in progress (int64), two allreduces started together; the
-backward pass reduces the sums of the output gradient and of its product with the centred
+per-channel sums of the batch and of its squares with the number of samples and the
+``micro_batches`` of the step in progress, one allreduce of float64 (the counts are exact
+integers there); the backward pass reduces the sums of the output gradient and of its product with the centred
 input (float64, accumulated over the batch in its own dtype).  Normalisation, running
 statistics and the gradients are then those of ``torch.nn.BatchNorm*`` over the concatenated
 global batch.  Only the per-channel numbers are float64: the other passes over the batch run
@@ -13,17 +13,23 @@ in its dtype (float32 for float16 and bfloat16), the normalisation in torch's ow
 layer costs about what serial BatchNorm costs plus a float64 copy of the batch (exact sums of
 squares: a batch whose mean is far from zero keeps its variance's digits).
 
-In a Join the group is a :class:`~tensorplay_mpi.JoinableComm` that is in the Join
-(``SyncBatchNorm.convert_sync_batchnorm(model, jc)``): every reduction is one of its
-operations, so a rank that has joined shadows it and contributes zero samples.  Layers with the
-same group share the JoinableComm's iteration.  With a DataParallel first in the Join
-(``Join([dp, jc])``, ``Join([dp, opt, jc])``) its heartbeat starts the iteration: run the
-forward pass inside ``with dp.step():``, no ``jc.begin_iteration()`` needed.  While ranks have
-joined, the statistics, DataParallel's step and the optimizers' steps travel in one announced
-stream, in the order the active ranks issue them.  A layer that reduces over a plain
-communicator cannot be shadowed: a Join made with a DataParallel over its parameters raises
+In a Join every reduction is an operation of a :class:`~tensorplay_mpi.JoinableComm` that is
+in the Join, so a rank that has joined shadows it and contributes zero samples.  A layer
+converted as torch users write it, without a group (``SyncBatchNorm.convert_sync_batchnorm(
+model)``), reduces through the JoinableComm of the running Join, and a DataParallel over its
+parameters brings one into every Join made with it (``Join([dp])``, ``Join([dp, opt])``; see
+:class:`~tensorplay_mpi.DataParallel`); outside a Join it reduces over the default
+communicator, as torch's over the default group.  A layer converted with a JoinableComm,
+``convert_sync_batchnorm(model, jc)``, reduces through that one, which must be in the Join
+(``Join([dp, jc])``).  Layers share the JoinableComm's iteration.  With a DataParallel first in
+the Join its heartbeat starts the iteration: run the forward pass inside ``with dp.step():``, no
+``jc.begin_iteration()`` needed.  While ranks have joined, the statistics, DataParallel's step
+and the optimizers' steps travel in one announced stream, in the order the active ranks issue
+them.  A layer that reduces over a plain communicator, or a JoinableComm that is not in the
+running Join, cannot be shadowed: a Join made with a DataParallel over its parameters raises
 ``ValueError`` on every rank, before anything starts, and its forward pass inside a running
-Join on that communicator raises ``RuntimeError``; both name the form above.
+Join on any of the same ranks raises ``RuntimeError`` before any reduction; both name the forms
+above.
 
 A rank with an empty batch contributes zero samples; a batch empty on every rank gives an empty
 output and zero gradients and leaves the running statistics as they were, as
@@ -138,16 +144,21 @@ def _by_channel(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
 
 
-_WORKING_FORM = ("convert the model with the Join's JoinableComm and put it in the Join: "
+_WORKING_FORM = ("convert the model without a group, then build the DataParallel over it and "
+                 "put that first in the Join: `model = SyncBatchNorm.convert_sync_batchnorm("
+                 "model)`, `dp = DataParallel(model.parameters(), buffers=model.buffers(), "
+                 "...)`, `Join([dp])` (or `Join([dp, opt])`), the forward pass inside `with "
+                 "dp.step():`; or convert it with a JoinableComm and put that in the Join: "
                  "`jc = JoinableComm(comm); model = SyncBatchNorm.convert_sync_batchnorm(model, "
-                 "jc)`, then `Join([dp, jc])` (or `Join([dp, opt, jc])`), the forward pass "
-                 "inside `with dp.step():`")
+                 "jc)`, `Join([dp, jc])`")
 
 
-class _JoinCheck:
-    """The check that a Join made with a DataParallel over a layer's parameters runs: the
-    layer must reduce through a JoinableComm of that Join.  Pickled as nothing (a model saved
-    whole loads without it) and shared by copies."""
+class _LayerLink:
+    """A layer's link to a DataParallel over its parameters and buffers: whether the layer
+    needs the JoinableComm of a Join (it has no group), and the check that a Join made with
+    the DataParallel runs: the layer must reduce through a JoinableComm of that Join, its own
+    or, without a group, the Join's.  Pickled as nothing (a model saved whole loads without
+    it) and shared by copies."""
 
     def __init__(self, layer: "SyncBatchNorm") -> None:
         self._layer = weakref.ref(layer)
@@ -155,31 +166,63 @@ class _JoinCheck:
     def __reduce__(self) -> tuple:
         return type(None), ()
 
-    def __deepcopy__(self, memo: dict) -> "_JoinCheck":
+    def __deepcopy__(self, memo: dict) -> "_LayerLink":
         return self
+
+    @property
+    def needs_stream(self) -> bool:
+        """Whether the layer has no group: it reduces through the running Join's JoinableComm."""
+        layer = self._layer()
+        return layer is not None and layer.process_group is None
 
     def __call__(self, join: Any) -> None:
         layer = self._layer()
         if layer is None or not join.enabled:
             return
         group = layer.process_group
-        if isinstance(group, JoinableComm) and any(j is group for j in join.joinables):
+        streams = [j for j in join.joinables if isinstance(j, JoinableComm)]
+        if (group is None and streams) or any(j is group for j in streams):
             return
-        where = ("its JoinableComm is not in this Join" if isinstance(group, JoinableComm)
+        where = ("it has no group and the Join holds no JoinableComm" if group is None else
+                 "its JoinableComm is not in this Join" if isinstance(group, JoinableComm)
                  else "it reduces over a plain communicator, which a joined rank cannot shadow")
         raise ValueError(f"a SyncBatchNorm layer of this model cannot train in this Join: "
                          f"{where} (its statistics would be matched against the gradient "
                          f"buckets of a joined rank); {_WORKING_FORM}")
 
 
-def _check_not_in_join(group: MPI.Intracomm) -> None:
-    """A layer over a plain communicator, training inside a running Join over any of the same
-    ranks: joined ranks would not shadow its reductions; raise before any."""
+def _training_group(group: JoinableComm | MPI.Intracomm | None
+                    ) -> JoinableComm | MPI.Intracomm:
+    """The group of a training pass of a layer whose group is `group`: that one; without one,
+    the JoinableComm of the running Join, else (no Join, or one without a JoinableComm) the
+    default communicator."""
+    if group is not None:
+        return group
     join = Join.current()
-    if join is not None and overlap(group, join.joinables[0].join_process_group) > 0:
-        raise RuntimeError(f"SyncBatchNorm reduces over a plain communicator inside a running "
-                           f"Join, where ranks that have joined cannot shadow it; "
-                           f"{_WORKING_FORM}")
+    orderer = None if join is None or join.stream is None else join.stream.orderer
+    return orderer if isinstance(orderer, JoinableComm) else group_of(None)
+
+
+def _check_in_join(group: JoinableComm | MPI.Intracomm, given: bool) -> None:
+    """Inside a running Join over any of the ranks of `group`, `group` must be the Join's
+    JoinableComm: joined ranks shadow nothing else; raise before any reduction.  `given`: the
+    layer has a group of its own (else it found no JoinableComm in the Join)."""
+    join = Join.current()
+    if join is None or any(j is group for j in join.joinables):
+        return
+    comm = group.comm if isinstance(group, JoinableComm) else group
+    if overlap(comm, join.joinables[0].join_process_group) == 0:
+        return
+    if isinstance(group, JoinableComm):
+        what = "through a JoinableComm that is not in the running Join"
+    elif given:
+        what = "over a plain communicator inside a running Join"
+    else:
+        what = ("over a plain communicator inside a running Join (converted without a group, it "
+                "reduces through the running Join's JoinableComm, and this Join has none: the "
+                "DataParallel over the model, built after converting it, is not in it)")
+    raise RuntimeError(f"SyncBatchNorm reduces {what}, where ranks that have joined cannot "
+                       f"shadow it; {_WORKING_FORM}")
 
 
 def _working(x: torch.Tensor) -> torch.Tensor:
@@ -289,19 +332,22 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         As for ``torch.nn.BatchNorm1d``.
     process_group : JoinableComm or mpi4py.MPI.Intracomm, optional
         Inside a Join, the :class:`~tensorplay_mpi.JoinableComm` in the Join; outside one,
-        any communicator.  Default ``MPI.COMM_WORLD``.
+        any communicator.  None (the default): the JoinableComm of the running Join (a
+        DataParallel over the layer's parameters brings one into its Joins), else
+        ``MPI.COMM_WORLD``.
 
     Raises
     ------
     ValueError
         In training, when every rank together has one value per channel; for an input of
         fewer than 2 dimensions; when a Join is made with a DataParallel over the layer's
-        parameters and the layer does not reduce through a JoinableComm of that Join; on
+        parameters and the layer cannot reduce through a JoinableComm of that Join; on
         every rank, when the active ranks entered their ``dp.step()`` with different
         ``micro_batches``, or, in the backward pass, when a rank passed ``samples=0`` with a
         non-empty batch.
     RuntimeError
-        In training, over a plain communicator inside a running Join on the same ranks.
+        In training inside a running Join on any of the same ranks, over a plain communicator
+        or through a JoinableComm that is not in the Join.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
@@ -309,29 +355,29 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                  process_group: JoinableComm | MPI.Intracomm | None = None,
                  device: Any = None, dtype: Any = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self.process_group = group_of(process_group)
-        self._tag_parameters()
+        self.process_group = None if process_group is None else group_of(process_group)
+        self._tag_tensors()
 
-    def _tag_parameters(self) -> None:
-        """Let a DataParallel over this layer's parameters check the Joins it is made into."""
-        check = _JoinCheck(self)
-        for p in (self.weight, self.bias):
-            if p is not None:
-                setattr(p, JOIN_CHECK, check)  # read by a DataParallel over them
+    def _tag_tensors(self) -> None:
+        """Let a DataParallel over this layer's parameters or buffers hold a JoinableComm for it
+        and check the Joins it is made into."""
+        check = _LayerLink(self)
+        for t in (self.weight, self.bias, self.running_mean, self.running_var,
+                  self.num_batches_tracked):
+            if t is not None:
+                setattr(t, JOIN_CHECK, check)  # read by a DataParallel over them
 
     def __getstate__(self) -> dict[str, Any]:
         """A model saved whole (``torch.save(model)``): the group is not saved (a communicator
-        cannot be pickled); the loaded layer reduces over the default communicator until it is
-        converted again with its group, ``convert_sync_batchnorm(model, jc)``."""
+        cannot be pickled); the loaded layer has none, as one converted without a group, until
+        it is converted again with one, ``convert_sync_batchnorm(model, jc)``."""
         state = dict(self.__dict__)
         state["process_group"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        if self.process_group is None:
-            self.process_group = group_of(None)
-        self._tag_parameters()
+        self._tag_tensors()
 
     def __deepcopy__(self, memo: dict) -> "SyncBatchNorm":
         """A copy (``copy.deepcopy(model)``) shares the group, as it shares ``COMM_WORLD``."""
@@ -340,7 +386,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         for name, value in self.__dict__.items():
             copied.__dict__[name] = (value if name == "process_group" else
                                      copy.deepcopy(value, memo))
-        copied._tag_parameters()
+        copied._tag_tensors()
         return copied
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -359,16 +405,16 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             return torch.nn.functional.batch_norm(
                 input, self.running_mean, self.running_var, self.weight, self.bias,
                 self.running_mean is None, 0.0, self.eps)
-        if not isinstance(self.process_group, JoinableComm):
-            _check_not_in_join(self.process_group)
-        if group_size(self.process_group) == 1:
+        group = _training_group(self.process_group)
+        _check_in_join(group, self.process_group is not None)
+        if group_size(group) == 1:
             return torch.nn.functional.batch_norm(
                 input, self.running_mean if tracking else None,
                 self.running_var if tracking else None, self.weight, self.bias, True, factor,
                 self.eps)
         return _SyncBatchNormFunction.apply(
             input, self.weight, self.bias, self.running_mean if tracking else None,
-            self.running_var if tracking else None, self.eps, factor, self.process_group)
+            self.running_var if tracking else None, self.eps, factor, group)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module,
@@ -392,10 +438,10 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                 with torch.no_grad():
                     converted.weight = module.weight
                     converted.bias = module.bias
-                converted._tag_parameters()
             converted.running_mean = module.running_mean
             converted.running_var = module.running_var
             converted.num_batches_tracked = module.num_batches_tracked
+            converted._tag_tensors()
             converted.training = module.training
             if hasattr(module, "qconfig"):
                 converted.qconfig = module.qconfig

@@ -35,11 +35,12 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 # array's dtype here, as NumPy rounds a Python float operand of a float32 ufunc.
 
 @_jit
-def _sgd(p, g, buf, lr, momentum, weight_decay, use_buf, nesterov):  # pragma: no cover
+def _sgd(p, g, buf, lr, momentum, weight_decay, use_buf, nesterov,
+         maximize):  # pragma: no cover
     t = p.dtype.type
     lr, momentum, weight_decay = t(lr), t(momentum), t(weight_decay)
     for i in range(p.size):
-        d = g[i]
+        d = -g[i] if maximize else g[i]
         if weight_decay != 0:
             d = p[i] * weight_decay + d
         if use_buf:
@@ -50,8 +51,8 @@ def _sgd(p, g, buf, lr, momentum, weight_decay, use_buf, nesterov):  # pragma: n
 
 
 @_jit
-def _adam(p, g, m, v, beta1, c1, beta2, c2, l2, decay, step_size,
-          eps_hat):  # pragma: no cover
+def _adam(p, g, m, v, beta1, c1, beta2, c2, l2, decay, step_size, eps_hat,
+          maximize):  # pragma: no cover
     t = p.dtype.type
     beta1, c1, beta2, c2, l2 = t(beta1), t(c1), t(beta2), t(c2), t(l2)
     decay, step_size, eps_hat = t(decay), t(step_size), t(eps_hat)
@@ -59,7 +60,7 @@ def _adam(p, g, m, v, beta1, c1, beta2, c2, l2, decay, step_size,
         pi = p[i]
         if decay != 1:
             pi = pi * decay
-        d = g[i]
+        d = -g[i] if maximize else g[i]
         if l2 != 0:
             d = pi * l2 + d
         mi = m[i] * beta1 + d * c1
@@ -70,17 +71,19 @@ def _adam(p, g, m, v, beta1, c1, beta2, c2, l2, decay, step_size,
 
 
 def sgd(p: np.ndarray, g: np.ndarray, buf: np.ndarray | None, lr: float, momentum: float,
-        weight_decay: float, nesterov: bool) -> None:
+        weight_decay: float, nesterov: bool, maximize: bool) -> None:
     """:func:`tensorplay_mpi.optim._rules.sgd` in one pass (arrays as :func:`fits` accepts,
     scalars Python floats)."""
     _sgd(p, g, p[:0] if buf is None else buf, lr, momentum, weight_decay, buf is not None,
-         bool(nesterov))
+         bool(nesterov), bool(maximize))
 
 
 def adam(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, beta1: float,
-         beta2: float, l2: float, decay: float, step_size: float, eps_hat: float) -> None:
+         beta2: float, l2: float, decay: float, step_size: float, eps_hat: float,
+         maximize: bool) -> None:
     """:func:`tensorplay_mpi.optim._rules.adam` in one pass, bias corrections folded in."""
-    _adam(p, g, m, v, beta1, 1.0 - beta1, beta2, 1.0 - beta2, l2, decay, step_size, eps_hat)
+    _adam(p, g, m, v, beta1, 1.0 - beta1, beta2, 1.0 - beta2, l2, decay, step_size, eps_hat,
+          bool(maximize))
 
 
 def fits(*arrays: Any) -> bool:
@@ -102,5 +105,5 @@ def warm_up(dtypes: Any) -> None:
     """Compile (or load from numba's cache) the kernels for each of `dtypes` they take."""
     for dtype in set(dtypes) & set(DTYPES):
         empty = np.zeros(0, dtype)
-        sgd(empty, empty, empty, 0.0, 0.0, 0.0, False)
-        adam(empty, empty, empty, empty, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0)
+        sgd(empty, empty, empty, 0.0, 0.0, 0.0, False, False)
+        adam(empty, empty, empty, empty, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, False)

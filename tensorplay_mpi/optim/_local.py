@@ -3,8 +3,8 @@
 Each updates `params` in place from the bound `grads` (for example ``dp.grads``) on
 :meth:`Optimizer.step`.  Both may be torch tensors (``model.parameters()``, and ``dp.grads``
 of a DataParallel over them): the optimizer works on NumPy views of their memory, or on CUDA
-the CuPy views (its fused kernels).  The rules
-are PyTorch's (no dampening, no amsgrad), which are the textbook ones; the arithmetic lives in
+the CuPy views (its fused kernels).  The rules are PyTorch's (``maximize`` included; no
+dampening, no amsgrad), which are the textbook ones; the arithmetic lives in
 :mod:`tensorplay_mpi.optim._rules`, shared with
 :class:`~tensorplay_mpi.optim.ZeroRedundancyOptimizer`.  State arrays are allocated at
 construction, shaped like their parameter (0-d included), so a state dict has the same layout
@@ -143,6 +143,8 @@ class Optimizer(LinkedOptimizer, ElasticJoinable, OptimizerState):
         for name in ("lr", "weight_decay", "momentum", "eps", "max_grad_norm"):
             if group.get(name) is not None and not group[name] >= 0:
                 raise ValueError(f"{name} must be >= 0, got {group[name]!r}")
+        if not isinstance(group.setdefault("maximize", False), (bool, np.bool_)):
+            raise TypeError(f"maximize must be a bool, got {group['maximize']!r}")
         return group
 
     def _update(self, i: int, g: Any, hyper: dict[str, Any]) -> None:
@@ -265,15 +267,15 @@ class SGD(Optimizer):
 
     ``g = grad + weight_decay * p``; with momentum ``b = momentum * b + g`` and
     ``g = g + momentum * b`` (Nesterov) or ``g = b``; then ``p -= lr * g``.  Without momentum
-    it holds no state.
+    it holds no state.  ``maximize=True`` starts from ``-grad`` (ascent), as torch.optim.
     """
 
     def __init__(self, params, grads, lr: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False,
+                 weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False,
                  max_grad_norm: float | None = None, comm: MPI.Intracomm | None = None) -> None:
         self.state_names = ("momentum_buffer",) if momentum else ()
         super().__init__(params, grads, comm, lr=lr, momentum=momentum,
-                         weight_decay=weight_decay, nesterov=nesterov,
+                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
                          max_grad_norm=max_grad_norm)
 
     def _checked(self, group):
@@ -288,24 +290,26 @@ class SGD(Optimizer):
     def _update(self, i, g, hyper):
         buf = self._flat_state[i]["momentum_buffer"] if hyper["momentum"] else None
         rules.sgd(self._flat[i], g, buf, self._scratch, hyper["lr"], hyper["momentum"],
-                  hyper["weight_decay"], hyper["nesterov"])
+                  hyper["weight_decay"], hyper["nesterov"], hyper["maximize"])
 
 
 class Adam(Optimizer):
     """Adam: ``p -= lr * m_hat / (sqrt(v_hat) + eps)`` with bias-corrected moments.
 
-    ``weight_decay`` adds ``weight_decay * p`` to the gradient (L2, as PyTorch's Adam).
+    ``weight_decay`` adds ``weight_decay * p`` to the gradient (L2, as PyTorch's Adam);
+    ``maximize=True`` negates the gradient first (ascent), as torch.optim.
     """
 
     state_names = ("exp_avg", "exp_avg_sq")
     decoupled = False
 
     def __init__(self, params, grads, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0,
+                 eps: float = 1e-8, weight_decay: float = 0.0, maximize: bool = False,
                  max_grad_norm: float | None = None, comm: MPI.Intracomm | None = None) -> None:
         super().__init__(params, grads, comm, lr=lr,
                          betas=betas if callable(betas) else tuple(betas), eps=eps,
-                         weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+                         weight_decay=weight_decay, maximize=maximize,
+                         max_grad_norm=max_grad_norm)
 
     def _checked(self, group):
         super()._checked(group)
@@ -319,7 +323,7 @@ class Adam(Optimizer):
         beta1, beta2 = hyper["betas"]
         rules.adam(self._flat[i], g, state["exp_avg"], state["exp_avg_sq"], self._scratch,
                    hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"],
-                   self.decoupled, int(self.param_steps[i]))
+                   self.decoupled, int(self.param_steps[i]), hyper["maximize"])
 
 
 class AdamW(Adam):
@@ -328,7 +332,7 @@ class AdamW(Adam):
     decoupled = True
 
     def __init__(self, params, grads, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2,
+                 eps: float = 1e-8, weight_decay: float = 1e-2, maximize: bool = False,
                  max_grad_norm: float | None = None, comm: MPI.Intracomm | None = None) -> None:
         super().__init__(params, grads, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         max_grad_norm=max_grad_norm, comm=comm)
+                         maximize=maximize, max_grad_norm=max_grad_norm, comm=comm)

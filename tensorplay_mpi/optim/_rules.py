@@ -108,10 +108,10 @@ def _blocks(a: np.ndarray):
 
 
 def sgd(p: Any, g: Any, buf: Any | None, scratch: Scratch, lr: float, momentum: float,
-        weight_decay: float, nesterov: bool) -> None:
-    """One SGD step, in place: ``d = g + weight_decay * p``; with `buf`,
-    ``buf = momentum * buf + d`` and ``d = d + momentum * buf`` (Nesterov) or ``d = buf``;
-    then ``p -= lr * d``.
+        weight_decay: float, nesterov: bool, maximize: bool = False) -> None:
+    """One SGD step, in place: ``d = g + weight_decay * p`` (``-g`` in place of `g` if
+    `maximize`, as torch.optim); with `buf`, ``buf = momentum * buf + d`` and
+    ``d = d + momentum * buf`` (Nesterov) or ``d = buf``; then ``p -= lr * d``.
 
     Parameters
     ----------
@@ -123,23 +123,21 @@ def sgd(p: Any, g: Any, buf: Any | None, scratch: Scratch, lr: float, momentum: 
     cupy = _cupy_of(p)
     if cupy is not None:
         if buf is None:
-            _kernel(cupy, "sgd")(g, lr, weight_decay, p)
+            _kernel(cupy, "sgd")(g, lr, weight_decay, float(maximize), p)
         else:
-            _kernel(cupy, "sgd_momentum")(g, lr, momentum, weight_decay, float(nesterov), p, buf)
+            _kernel(cupy, "sgd_momentum")(g, lr, momentum, weight_decay, float(nesterov),
+                                          float(maximize), p, buf)
         return
     # Python floats are cast to the array's dtype, as in the fused kernels (NumPy's are not)
     lr, momentum, weight_decay = float(lr), float(momentum), float(weight_decay)
     kernels = fused()
     if kernels is not None and kernels.fits(p, g, *(() if buf is None else (buf,))):
-        kernels.sgd(p, g, buf, lr, momentum, weight_decay, nesterov)
+        kernels.sgd(p, g, buf, lr, momentum, weight_decay, nesterov, maximize)
         return
     for s in _blocks(p):
         pb, gb = p[s], g[s]
         s1, s2 = scratch.get(p.dtype, pb.size)
-        d = gb
-        if weight_decay:
-            np.multiply(pb, weight_decay, out=s1)
-            d = np.add(s1, gb, out=s1)
+        d = _signed(gb, pb, weight_decay, maximize, s1)
         if buf is not None:
             bb = buf[s]
             bb *= momentum
@@ -154,10 +152,12 @@ def sgd(p: Any, g: Any, buf: Any | None, scratch: Scratch, lr: float, momentum: 
 
 
 def adam(p: Any, g: Any, m: Any, v: Any, scratch: Scratch, lr: float, beta1: float,
-         beta2: float, eps: float, weight_decay: float, decoupled: bool, step: int) -> None:
+         beta2: float, eps: float, weight_decay: float, decoupled: bool, step: int,
+         maximize: bool = False) -> None:
     """One Adam step number `step` (from 1): PyTorch's rule, bias corrections folded in.
 
-    ``p *= 1 - lr * weight_decay`` (decoupled) or ``g += weight_decay * p`` (L2); then
+    ``g = -g`` if `maximize`; ``p *= 1 - lr * weight_decay`` (decoupled) or
+    ``g += weight_decay * p`` (L2); then
     ``m = beta1 m + (1 - beta1) g``, ``v = beta2 v + (1 - beta2) g^2`` and
     ``p -= lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) + eps * sqrt(1 - beta2^t))``,
     which is ``p -= lr * m_hat / (sqrt(v_hat) + eps)``.
@@ -178,20 +178,19 @@ def adam(p: Any, g: Any, m: Any, v: Any, scratch: Scratch, lr: float, beta1: flo
     step_size, eps_hat, decay, l2 = float(step_size), float(eps_hat), float(decay), float(l2)
     cupy = _cupy_of(p)
     if cupy is not None:
-        _kernel(cupy, "adam")(g, beta1, beta2, l2, decay, step_size, eps_hat, p, m, v)
+        _kernel(cupy, "adam")(g, beta1, beta2, l2, decay, step_size, eps_hat, float(maximize),
+                              p, m, v)
         return
     kernels = fused()
     if kernels is not None and kernels.fits(p, g, m, v):
-        kernels.adam(p, g, m, v, beta1, beta2, l2, decay, step_size, eps_hat)
+        kernels.adam(p, g, m, v, beta1, beta2, l2, decay, step_size, eps_hat, maximize)
         return
     for s in _blocks(p):
         pb, gb, mb, vb = p[s], g[s], m[s], v[s]
         s1, s2 = scratch.get(p.dtype, pb.size)
         if decay != 1.0:
             pb *= decay
-        if l2:
-            np.multiply(pb, l2, out=s2)
-            gb = np.add(s2, gb, out=s2)
+        gb = _signed(gb, pb, l2, maximize, s2)
         mb *= beta1
         np.multiply(gb, 1.0 - beta1, out=s1)
         mb += s1
@@ -206,18 +205,30 @@ def adam(p: Any, g: Any, m: Any, v: Any, scratch: Scratch, lr: float, beta1: flo
         pb -= s1
 
 
+def _signed(g: np.ndarray, p: np.ndarray, weight_decay: float, maximize: bool,
+            out: np.ndarray) -> np.ndarray:
+    """``weight_decay * p + g``, `g` negated if `maximize`: in `out`, or `g` itself when
+    that is all it is (no copy)."""
+    if weight_decay:
+        np.multiply(p, weight_decay, out=out)
+        return (np.subtract if maximize else np.add)(out, g, out=out)
+    return np.negative(g, out=out) if maximize else g
+
+
 _KERNELS: dict[str, Any] = {}  # name -> compiled CuPy kernel: filled by _kernel on first use
 
 _SOURCES = {
     # name: (inputs, outputs (read and written), body)
-    "sgd": ("T g, T lr, T wd", "T p", "p = p - lr * (g + wd * p);"),
+    "sgd": ("T g, T lr, T wd, T maximize", "T p",
+            "p = p - lr * ((maximize != 0 ? -g : g) + wd * p);"),
     "sgd_momentum": (
-        "T g, T lr, T momentum, T wd, T nesterov", "T p, T buf",
-        "T d = g + wd * p; buf = momentum * buf + d;"
+        "T g, T lr, T momentum, T wd, T nesterov, T maximize", "T p, T buf",
+        "T d = (maximize != 0 ? -g : g) + wd * p; buf = momentum * buf + d;"
         "p = p - lr * (nesterov != 0 ? d + momentum * buf : buf);"),
     "adam": (
-        "T g, T beta1, T beta2, T l2, T decay, T step_size, T eps_hat", "T p, T m, T v",
-        "T d = g + l2 * p; p = p * decay;"
+        "T g, T beta1, T beta2, T l2, T decay, T step_size, T eps_hat, T maximize",
+        "T p, T m, T v",
+        "T d = (maximize != 0 ? -g : g) + l2 * p; p = p * decay;"
         "m = beta1 * m + (1 - beta1) * d; v = beta2 * v + (1 - beta2) * d * d;"
         "p = p - step_size * m / (sqrt(v) + eps_hat);"),
 }

@@ -209,7 +209,8 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
         if not 0 <= to < self.size:
             raise ValueError(f"to must be a rank in [0, {self.size}), got {to!r}")
         mine = self.local.state_dict()
-        full = {k: mine[k] for k in ("optimizer", "defaults", "schedules", "steps")}
+        full = {k: mine[k] for k in ("optimizer", "defaults", "param_groups", "schedules",
+                                     "steps")}  # the groups: the same on every rank
         full["param_steps"] = steps = np.zeros(len(self.params), dtype=np.int64)
         steps[self._shard_index] = mine["param_steps"]
         full["state"] = {i: mine["state"][k] for k, i in enumerate(self.shard)}

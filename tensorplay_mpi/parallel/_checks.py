@@ -30,6 +30,8 @@ class Arguments(NamedTuple):
     params: list[Any]
     """The arrays the library works on (a torch tensor: the NumPy or CuPy view of it)."""
     buffers: list[Any]
+    given_buffers: list[Any]
+    """The caller's buffers: arrays or torch tensors."""
     frozen: list[bool]
     """Per parameter: a torch ``Parameter`` with ``requires_grad=False``."""
     device: str
@@ -51,15 +53,15 @@ def check_construction(params: Any, buffers: Any, bucket_cap_mb: Any, broadcast_
     given, arrays = _check_arrays(params, "params", floating=True)
     frozen = frozen_mask(given)
     check_unbound(given)
-    buffer_arrays = _check_arrays(buffers, "buffers", floating=False)[1]
+    given_buffers, buffer_arrays = _check_arrays(buffers, "buffers", floating=False)
     device = _one_device(arrays + buffer_arrays)
     check_disjoint(params=arrays, buffers=buffer_arrays)
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
     root = _check_rank(broadcast_from, "broadcast_from", size)
     _check_compress(compress, arrays, device)
-    return Arguments(given, arrays, buffer_arrays, frozen, device, root, _check_update(update),
-                     compress)
+    return Arguments(given, arrays, buffer_arrays, given_buffers, frozen, device, root,
+                     _check_update(update), compress)
 
 
 def _check_compress(compress: Any, arrays: list[Any], device: str) -> None:

@@ -47,9 +47,10 @@ import numpy as np
 from mpi4py import MPI
 
 from ..algorithms._guarded_joinable import GuardedJoinable
-from ..algorithms.join import JOIN_CHECK, ElasticJoinable, Join, JoinHook
+from ..algorithms.join import ElasticJoinable, Join, Joinable, JoinHook
 from ._checks import check_construction, check_step
 from ._gradient_link import PlaceCheck
+from ._layer_stream import LayerLinks
 from ._narrow import format_name
 from ._reducer import Reducer, Step
 
@@ -177,6 +178,14 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
     tensors trained by hand) are used by default; a rank passes ``dp.step(unused=indices)``
     for those it produced no gradient for in that step.
 
+    SyncBatchNorm layers converted without a group (``convert_sync_batchnorm(model)``, as
+    torch users write it) among the parameters or buffers: the DataParallel holds a
+    :class:`~tensorplay_mpi.JoinableComm` on `comm` for them (made here), and a Join made with
+    it holds that JoinableComm too, after the listed joinables, unless the caller lists one of
+    their own; the layers reduce through the running Join's JoinableComm.  So ``Join([dp])``,
+    ``Join([dp, opt])`` work with such a model as ``Join([dp, jc])`` does with layers
+    converted with ``jc``.  A Join holds at most one DataParallel.
+
     Raises
     ------
     TypeError
@@ -186,7 +195,9 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
     ValueError
         On every rank, if a rank passed non-contiguous or read-only arrays, arrays on several
         devices, ``bucket_cap_mb <= 0``, a `broadcast_from` that is not a rank, or if ranks
-        passed different shapes/dtypes, `bucket_cap_mb` or `broadcast_from`.
+        passed different shapes/dtypes, `bucket_cap_mb`, `broadcast_from` or numbers of
+        SyncBatchNorm layers without a group; when a Join is made with it and another
+        DataParallel.
 
     Examples
     --------
@@ -231,22 +242,25 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
             args = check_construction(params, buffers, bucket_cap_mb, broadcast_from, update,
                                       self.size, compress)
             broadcast_from = args.broadcast_from
+            links = LayerLinks([*args.given, *args.given_buffers])
             layout = ([(a.shape, format_name(a.dtype)) for a in args.params],
                       [(a.shape, a.dtype.str) for a in args.buffers],
-                      [i for i, f in enumerate(args.frozen) if f], compress)
+                      [i for i, f in enumerate(args.frozen) if f], compress, links.streamless)
         except (TypeError, ValueError) as error:
             refused = error
         self._check_arguments(refused, layout, "parameter or buffer shapes/dtypes, frozen "
-                              "parameters or compress", f"params {layout and layout[0]}, "
-                              f"buffers {layout and layout[1]}, frozen params "
-                              f"{layout and layout[2]} and compress={layout and layout[3]!r}",
+                              "parameters, compress, or SyncBatchNorm layers without a group",
+                              f"params {layout and layout[0]}, buffers {layout and layout[1]}, "
+                              f"frozen params {layout and layout[2]}, "
+                              f"compress={layout and layout[3]!r} and "
+                              f"{layout and layout[4]} layers without a group",
                               broadcast_from=broadcast_from, bucket_cap_mb=bucket_cap_mb)
         self.params, self.buffers, self.device = args.params, args.buffers, args.device
         self.compress = args.compress
         self._reducer = Reducer(self, args, bucket_cap_mb * 2**20, overlap)
         self.grads, self.used = self._reducer.grads, self._reducer.used
-        checks = (getattr(p, JOIN_CHECK, None) for p in args.given)
-        self._join_checks = list({id(c): c for c in checks if c is not None}.values())
+        self._layers = links
+        links.make_stream(self.comm, self.timeout)  # collective: every rank agreed above
         self._place_check = PlaceCheck()
         self.samples = 0  # the active ranks' samples in the last step with samples=
         self._unentered: _MustEnter | None = None  # a step() or no_sync() never entered
@@ -393,12 +407,22 @@ class DataParallel(GuardedJoinable, ElasticJoinable):
             self._place_check(self.join_context, self.grads.stateful_optimizer, self.grads,
                               must_join=True)
 
+    def _brought_joinables(self, listed: list[Joinable]) -> list[Joinable]:
+        """The JoinableComm this DataParallel holds for the SyncBatchNorm layers over its
+        tensors that have no group, when `listed` holds no JoinableComm of the caller's."""
+        return self._layers.brought(listed)
+
     def _made_into(self, join: Join) -> None:
-        """`join` was made with this DataParallel: the layers over its parameters that must
-        reduce through the Join's stream (SyncBatchNorm) check it, on every rank, before
-        anything starts."""
-        for check in self._join_checks:
-            check(join)
+        """`join` was made with this DataParallel: it must be the Join's only one, and the
+        layers over its tensors that reduce through the Join's stream (SyncBatchNorm) check
+        it, on every rank, before anything starts."""
+        others = [j for j in join.joinables if isinstance(j, DataParallel) and j is not self]
+        if others:
+            raise ValueError(
+                f"a Join holds at most one DataParallel, got {len(others) + 1}: the first one "
+                f"leads the Join's iterations (its heartbeat), and another one's steps could "
+                f"not run inside it; train every parameter through one DataParallel")
+        self._layers.check(join)
         if join.elastic:
             self._reducer.keep()
         super()._made_into(join)

@@ -71,13 +71,14 @@ def reference(inputs, momentum):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("group", ["jc", "none"])  # none: the running Join's JoinableComm
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_training_on_uneven_inputs_equals_serial_batchnorm(comm, pattern, momentum):
+def test_training_on_uneven_inputs_equals_serial_batchnorm(comm, pattern, momentum, group):
     inputs = inputs_of(pattern, comm.size)
     sizes = batch_sizes(inputs)
     jc = JoinableComm(comm)
-    model = SyncBatchNorm.convert_sync_batchnorm(Net(momentum), jc)
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(momentum), jc if group == "jc" else None)
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=0.05)
     with Join([jc]):
@@ -213,15 +214,17 @@ def test_convert_shares_parameters_and_state_and_keeps_the_rest():
 
 # -- micro-batches: dp.step(micro_batches=K) ---------------------------------------------------
 
-def train_micro_batches(comm, steps, real, size_of, micro_batches):
+def train_micro_batches(comm, steps, real, size_of, micro_batches, natural=False):
     """Train the Net with DataParallel in one Join: rank r runs `steps[r]` steps, in step t
     `real(r, t)` micro-batches of `size_of(r, m)` samples, entered as
-    ``dp.step(micro_batches=micro_batches(r, t))`` (any more of them empty)."""
-    jc = JoinableComm(comm)
+    ``dp.step(micro_batches=micro_batches(r, t))`` (any more of them empty).  `natural`: the
+    model converted without a group, ``Join([dp])``; else with a JoinableComm, ``Join([dp,
+    jc])``."""
+    jc = None if natural else JoinableComm(comm)
     model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(), update=opt.step)
-    with Join([dp, jc]):
+    with Join([dp] if natural else [dp, jc]):
         for t in range(steps[comm.rank]):
             k = micro_batches(comm.rank, t)
             model.zero_grad()
@@ -232,28 +235,31 @@ def train_micro_batches(comm, steps, real, size_of, micro_batches):
     return model
 
 
-def micro_batch_mismatch(comm, steps):
+def micro_batch_mismatch(comm, steps, natural):
     """Every rank's step 1 with 2 micro-batches, but the last rank's with 3."""
     last = comm.size - 1
     return train_micro_batches(comm, steps, lambda r, t: 3 if (r, t) == (last, 1) else 2,
-                               lambda r, m: 2, lambda r, t: 3 if (r, t) == (last, 1) else 2)
+                               lambda r, m: 2, lambda r, t: 3 if (r, t) == (last, 1) else 2,
+                               natural)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_micro_batches_that_differ_between_ranks_raise_on_every_rank(comm):
+@pytest.mark.parametrize("natural", [False, True])
+def test_micro_batches_that_differ_between_ranks_raise_on_every_rank(comm, natural):
     """Issue 47: the short rank's gradient buckets were matched against the other's third
     statistics ("different numbers of channels"), and the job aborted at exit."""
     with raises_everywhere(ValueError, match="different numbers of micro-batches"):
-        micro_batch_mismatch(comm, [2] * comm.size)
+        micro_batch_mismatch(comm, [2] * comm.size, natural)
     total = JoinableComm(comm).allreduce(np.ones(1))  # nothing started, nothing pending
     assert_all(total[0] == comm.size)
 
 
 @pytest.mark.mpi(min_size=3)
-def test_micro_batches_that_differ_with_a_rank_joined_raise_on_every_rank(comm):
+@pytest.mark.parametrize("natural", [False, True])
+def test_micro_batches_that_differ_with_a_rank_joined_raise_on_every_rank(comm, natural):
     """Rank 0 has joined: it learns the active ranks' refusal from their announcement."""
     with raises_everywhere(ValueError, match="different numbers of micro-batches|ValueError"):
-        micro_batch_mismatch(comm, [1] + [2] * (comm.size - 1))
+        micro_batch_mismatch(comm, [1] + [2] * (comm.size - 1), natural)
     total = JoinableComm(comm).allreduce(np.ones(1))
     assert_all(total[0] == comm.size)
 
@@ -267,8 +273,10 @@ def micro_sizes(r, m):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("natural", [False, True])
 @pytest.mark.parametrize("pattern", ["even", "three_plus_rank"])
-def test_a_rank_with_fewer_micro_batches_runs_empty_ones_as_serial_batchnorm(comm, pattern):
+def test_a_rank_with_fewer_micro_batches_runs_empty_ones_as_serial_batchnorm(comm, pattern,
+                                                                             natural):
     """The documented remedy: K is the largest number of micro-batches of the step, and a rank
     with fewer runs empty ones; equal to serial BatchNorm on each micro-batch's union."""
     inputs = inputs_of(pattern, comm.size)
@@ -277,7 +285,7 @@ def test_a_rank_with_fewer_micro_batches_runs_empty_ones_as_serial_batchnorm(com
         return max(real_micro_batches(r, t) for r in range(comm.size) if inputs[r] > t)
 
     model = train_micro_batches(comm, inputs, real_micro_batches, micro_sizes,
-                                lambda r, t: most(t))
+                                lambda r, t: most(t), natural)
     reference = Net()
     opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     for t in range(max(inputs)):

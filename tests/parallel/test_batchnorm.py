@@ -15,13 +15,14 @@ Two references, neither using the library:
 Replicas are compared bitwise across ranks; references to float64 rounding.
 """
 
+import contextlib
 import os
 
 import numpy as np
 import pytest
 
-from tensorplay_mpi import (Adam, DataParallel, Join, JoinableComm, ZeroRedundancyOptimizer,
-                            checkpoint, request_save, request_stop)
+from tensorplay_mpi import (SGD, Adam, DataParallel, Join, JoinableComm,
+                            ZeroRedundancyOptimizer, checkpoint, request_save, request_stop)
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 torch = pytest.importorskip("torch")
@@ -135,35 +136,47 @@ class LibraryAdam:
         return opt.step, opt
 
 
+FORMS = {  # how the model is converted and what the Join lists besides dp and an optimizer
+    "natural": (False, False),  # convert_sync_batchnorm(model); Join([dp]): dp brings a stream
+    "natural_logged": (False, True),  # the same, and a JoinableComm of the caller's, Join([dp,
+    # jc]), that logs the loss: the layers reduce through it
+    "explicit": (True, True),  # convert_sync_batchnorm(model, jc); Join([dp, jc])
+}
+
+
 @pytest.mark.mpi
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("variant", ["update", "library", "zero", "micro"])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_sync_batchnorm_trains_with_data_parallel_in_one_join_as_serial(comm, pattern, variant):
+def test_sync_batchnorm_trains_with_data_parallel_in_one_join_as_serial(comm, pattern, variant,
+                                                                        form):
     """SyncBatchNorm's statistics (forward and backward), DataParallel's buckets, an optimizer
-    step and a loss logged through the JoinableComm share one Join on uneven inputs."""
+    step and a loss logged through a JoinableComm share one Join on uneven inputs."""
+    explicit, logs = FORMS[form]
     inputs = inputs_of(pattern, comm.size)
     micro = 2 if variant == "micro" else 1
-    jc = JoinableComm(comm)
-    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc)
+    jc = JoinableComm(comm) if logs else None
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc if explicit else None)
     library = variant in ("library", "zero")
     if library:
         dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
         opt = (Adam(list(model.parameters()), dp.grads, lr=0.02) if variant == "library" else
                ZeroRedundancyOptimizer(list(model.parameters()), dp.grads, Adam, lr=0.02))
-        joinables = [dp, opt, jc]
+        joinables = [dp, opt]
     else:
         update, opt = torch_update(model)
         dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(), update=update)
-        joinables = [dp, jc]
+        joinables = [dp]
     logged = []
-    with Join(joinables):
+    with Join(joinables + ([jc] if logs else [])):
         for t in range(inputs[comm.rank]):
             model.zero_grad()
             with dp.step(micro_batches=micro):
                 total = 0.0
                 for m in range(micro):
                     loss = sse(model, *batch(comm.rank, t, m, sizes(inputs, t, m)[comm.rank]))
-                    total += float(jc.allreduce(loss.detach().reshape(1)))  # logged, mid-step
+                    if logs:  # logged, mid-step
+                        total += float(jc.allreduce(loss.detach().reshape(1)))
                     loss.backward()
             if library:
                 opt.step()
@@ -177,21 +190,73 @@ def test_sync_batchnorm_trains_with_data_parallel_in_one_join_as_serial(comm, pa
     assert_all(not differences(mine, expected),
                f"state entries off the serial replay: {differences(mine, expected)}")
     assert_all(same_everywhere(mine, comm), "the ranks hold different model or optimizer state")
-    assert_all(np.allclose(logged, losses[:len(logged)], rtol=TOL, atol=TOL),
-               f"logged losses {logged} against {losses}")
+    if logs:
+        assert_all(np.allclose(logged, losses[:len(logged)], rtol=TOL, atol=TOL),
+                   f"logged losses {logged} against {losses}")
+
+
+def nothing_pending(comm):
+    """Every rank can still run a collective on `comm`: nothing started, nothing pending."""
+    total = JoinableComm(comm).allreduce(np.ones(1))
+    assert_all(total[0] == comm.size)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("group", ["none", "the_comm"])
-def test_the_natural_form_names_the_working_one_on_every_rank_before_anything(comm, group):
-    """convert_sync_batchnorm(model) as torch users write it, then Join([dp, opt]): a clear
-    error on every rank when the Join is made, never a cross-matched collective."""
-    model = SyncBatchNorm.convert_sync_batchnorm(Net(), None if group == "none" else comm)
+def test_a_plain_communicator_names_the_working_forms_on_every_rank_before_anything(comm):
+    """convert_sync_batchnorm(model, comm), then Join([dp]): a clear error on every rank when
+    the Join is made, never a cross-matched collective."""
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), comm)
     dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
-    with raises_everywhere(ValueError, match=r"JoinableComm.*convert_sync_batchnorm\(model, jc\)"):
+    with raises_everywhere(ValueError, match=r"plain communicator.*convert_sync_batchnorm\("
+                                             r"model\)`.*Join\(\[dp\]\).*JoinableComm"):
         Join([dp])
-    total = JoinableComm(comm).allreduce(np.ones(1))  # nothing started, nothing pending
-    assert_all(total[0] == comm.size)
+    nothing_pending(comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", ["no_data_parallel", "converted_after_data_parallel",
+                                  "joinable_comm_elsewhere"])
+def test_a_layer_that_a_join_cannot_shadow_raises_on_every_rank_before_reducing(comm, case):
+    """The model's DataParallel is not in the Join (a ZeRO optimizer of other arrays leads
+    it), or was built before the model was converted (it saw no layer), or the layers reduce
+    through a JoinableComm outside the Join: the forward pass raises, naming the forms."""
+    other = JoinableComm(comm)
+    model = Net()
+    after = case == "converted_after_data_parallel"
+    dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers()) if after else None
+    model = SyncBatchNorm.convert_sync_batchnorm(
+        model, other if case == "joinable_comm_elsewhere" else None)
+    if not after:  # a DataParallel over the model that stays out of the Join
+        DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
+    zero = ZeroRedundancyOptimizer([np.zeros(2)], [np.ones(2)], SGD, comm=comm, lr=0.1)
+    match = {"joinable_comm_elsewhere": "JoinableComm that is not in the running Join"}.get(
+        case, r"without a group.*this Join has none.*Join\(\[dp\]\)")
+    with raises_everywhere(RuntimeError, match=match):
+        with Join([dp if dp is not None else zero]):
+            with dp.step() if dp is not None else contextlib.nullcontext():
+                if dp is None:
+                    zero.step()
+                model(batch(comm.rank, 0, n=3)[0])
+    nothing_pending(comm)
+
+
+@pytest.mark.mpi
+def test_two_data_parallels_in_one_join_raise_on_every_rank(comm):
+    first, second = Net(), SyncBatchNorm.convert_sync_batchnorm(Net())
+    dps = [DataParallel(m.parameters(), comm=comm, buffers=m.buffers()) for m in (first, second)]
+    for joinables in (dps, dps[::-1]):
+        with raises_everywhere(ValueError, match="at most one DataParallel, got 2"):
+            Join(joinables)
+    nothing_pending(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_convert_with_and_without_a_group_raise_on_every_rank(comm):
+    jc = JoinableComm(comm)  # collective: made on every rank
+    model = SyncBatchNorm.convert_sync_batchnorm(Net(), jc if comm.rank else None)
+    with raises_everywhere(ValueError, match="SyncBatchNorm layers without a group"):
+        DataParallel(model.parameters(), comm=comm, buffers=model.buffers())
+    nothing_pending(comm)
 
 
 @pytest.mark.mpi
@@ -380,7 +445,7 @@ def test_converting_again_with_the_joinable_comm_sets_it_and_the_model_pickles(c
     torch.save(model, saved)  # a communicator is not pickled
     saved.seek(0)
     loaded = torch.load(saved, weights_only=False)
-    assert_all(model.norm.process_group is jc and loaded.norm.process_group is not jc)
+    assert_all(model.norm.process_group is jc and loaded.norm.process_group is None)
     SyncBatchNorm.convert_sync_batchnorm(loaded, jc)
     dp = DataParallel(loaded.parameters(), comm=comm, buffers=loaded.buffers())
     with Join([dp, jc]):

@@ -16,7 +16,8 @@
    survivors only (the optimizer stepped by ``update=``, torch's SGD with momentum or this
    library's Adam, must come with the state adopted), and a rank killed after its forward pass,
    so that nobody completes the step and it is redone (BatchNorm and SyncBatchNorm: the running
-   statistics the forward passes moved must be those of the last completed step).
+   statistics the forward passes moved must be those of the last completed step; SyncBatchNorm
+   in ``Join([dp, jc])`` and converted without a group in ``Join([dp])``).
 4. A JoinableComm loop that sums its batches into a kept array (``elastic_kept.py``): the
    last active rank lost while the others have joined, or another rank: the survivors' total
    is NumPy's sum of every batch summed before the loss (nothing reduced is lost).
@@ -70,6 +71,8 @@ TORCH_CASES = [  # (ranks, arguments of elastic_torch.py after its directory)
     (4, ["torch", "none", "split", "1@3:bucket"]), (4, ["library", "none", "split", "1@3:bucket"]),
     (3, ["torch", "plain", "redo", "1@4:forward"]), (3, ["library", "sync", "redo", "2@4:forward"]),
     (4, ["torch", "plain", "any", "1@3:bucket"]), (4, ["library", "sync", "any", "0@5:bucket"]),
+    (3, ["library", "natural", "redo", "2@4:forward"]),  # SyncBatchNorm in Join([dp])
+    (4, ["torch", "natural", "any", "1@3:bucket"]),
 ]
 
 

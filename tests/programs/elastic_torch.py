@@ -9,8 +9,9 @@ A Conv1d - BatchNorm1d - tanh - Linear model, float64, stepped through
 skew 0.5).  OPT: ``torch`` (``update=opt.step`` of ``torch.optim.SGD`` with momentum) or
 ``library`` (this library's ``Adam`` bound to ``dp.grads``, stepped by the bound method of an
 object whose state dict is the optimizer's).  NORM: ``none`` (no BatchNorm layer), ``plain``
-(``torch.nn.BatchNorm1d``, its buffers broadcast) or ``sync`` (``SyncBatchNorm`` through a
-JoinableComm).
+(``torch.nn.BatchNorm1d``, its buffers broadcast), ``sync`` (``SyncBatchNorm`` through a
+JoinableComm, ``Join([dp, jc])``) or ``natural`` (``SyncBatchNorm`` converted without a group,
+``Join([dp])``: through the JoinableComm the DataParallel brings).
 
 The victim V (a rank of COMM_WORLD) SIGKILLs itself in its step once DataParallel has counted
 STEP steps, at WHERE: ``forward`` (after the forward pass, before the backward: the
@@ -89,10 +90,11 @@ def main():
     model = make_model(norm)
     joinables = []
     comm = world
-    if norm == "sync":
+    if norm in ("sync", "natural"):
         from tensorplay_mpi import SyncBatchNorm
-        joinables.append(JoinableComm(comm))
-        model = SyncBatchNorm.convert_sync_batchnorm(model, joinables[0])
+        if norm == "sync":
+            joinables.append(JoinableComm(comm))
+        model = SyncBatchNorm.convert_sync_batchnorm(model, *joinables)
     if kind == "torch":
         opt = torch_optimizer(kind, model.parameters())
         dp = DataParallel(model.parameters(), comm=comm, buffers=model.buffers(),
@@ -159,7 +161,7 @@ def replay(steps, kind, norm, x, y):
     params = list(model.parameters())
     for ranks in steps:
         size = ranks[0][1]
-        if norm == "sync":
+        if norm in ("sync", "natural"):
             ids = np.concatenate([r[3] for r in ranks])
             out = model(x[ids])
             bounds = np.cumsum([0] + [len(r[3]) for r in ranks])
