@@ -5,13 +5,14 @@ tensorplay_mpi`` does not import torch) is ``torch.nn.SyncBatchNorm`` over MPI f
 and CUDA tensors.  In training mode each forward pass reduces, over the ranks of its group, the
 per-channel sums of the batch and of its squares with the number of samples and the
 ``micro_batches`` of the step in progress, one allreduce of float64 (the counts are exact
-integers there); the backward pass reduces the sums of the output gradient and of its product with the centred
-input (float64, accumulated over the batch in its own dtype).  Normalisation, running
-statistics and the gradients are then those of ``torch.nn.BatchNorm*`` over the concatenated
-global batch.  Only the per-channel numbers are float64: the other passes over the batch run
-in its dtype (float32 for float16 and bfloat16), the normalisation in torch's own kernel, so a
-layer costs about what serial BatchNorm costs plus a float64 copy of the batch (exact sums of
-squares: a batch whose mean is far from zero keeps its variance's digits).
+integers there); the backward pass reduces the sums of the output gradient and of its
+product with the centred input (float64, accumulated over the batch in its own dtype).
+Normalisation, running statistics and the gradients are then those of
+``torch.nn.BatchNorm*`` over the concatenated global batch.  Only the per-channel numbers are
+float64: the other passes over the batch run in its dtype (float32 for float16 and bfloat16),
+the normalisation in torch's own kernel, so a layer costs about what serial BatchNorm costs
+plus a float64 copy of the batch (exact sums of squares: a batch whose mean is far from zero
+keeps its variance's digits).
 
 In a Join every reduction is an operation of a :class:`~tensorplay_mpi.JoinableComm` that is
 in the Join, so a rank that has joined shadows it and contributes zero samples.  A layer
