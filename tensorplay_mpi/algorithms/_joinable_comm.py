@@ -27,9 +27,10 @@ same ranks), only the root writing its bytes.  Other operations follow their ann
   sent before the next heartbeat or when the rank joins.  A joined rank's hook follows the
   announcements until END, so it needs no recording of the past: a rank with zero
   iterations, or a loop whose collectives change, works;
-- ``n == 1`` read in an earlier iteration of the Join (the count never grows): no collective
-  at all, the result being the input, but for a result a kept array receives, announced as
-  ``ALONE`` (in the payload, or followed by an ``Ibcast`` from this rank).
+- ``n == 1`` read in this iteration or an earlier one of the Join (the count never grows): no
+  collective at all, the result being the input with the joined ranks' identities, but for a
+  result a kept array receives, announced as ``ALONE`` (in the payload, or followed by an
+  ``Ibcast`` from this rank).
 
 Arguments are checked on every rank before any collective, the same way in both modes.  Inputs
 in any layout are sent in C order (copied when they are not C-contiguous); an ``out`` that is
@@ -56,7 +57,7 @@ from ..errors import CollectiveMismatchError
 from .._threads import oversubscribed
 from . import _announcements as wire
 from ._guarded_joinable import GuardedJoinable
-from ._kept import OUT, KeptArrays
+from ._kept import ACCUMULATE, OUT, KeptArrays
 from .join import ElasticJoinable, Join, JoinHook
 from ._stream import BlockStream
 
@@ -303,15 +304,15 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         if self._announcing is None:  # the first need in this iteration: the heartbeat
             self._active = join.active_ranks()
             self._announcing = self._active < self.size
-            if self._active == 1 < self.size:  # and every later iteration: none comes back
+            if self._active == 1 < self.size:  # and every later one: none comes back
                 self._alone_in = join
         return self._announcing
 
     def _alone(self) -> bool:
-        """Whether this rank is the only active one: an earlier iteration of this Join counted
-        one active rank (the count never grows).  Its operations then need no data
-        collective: a result is its own input, and joined ranks receive only those applied to
-        kept arrays (:meth:`_announce_alone`)."""
+        """Whether this rank is the only active one: the heartbeat of this iteration or of an
+        earlier one of this Join counted one active rank (the count never grows).  Its
+        operations then need no data collective: a result is its own input, and joined ranks
+        receive only those applied to kept arrays (:meth:`_announce_alone`)."""
         join = self.join_context
         return self._alone_in is not None and self._alone_in is self._owner is join \
             and not join.runs_everywhere
@@ -441,11 +442,10 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
                         result: Any, wait: bool, kept: int) -> Any:
         """The announcement and the data of an allreduce whose arguments are checked."""
         self._start_operation()
-        if self._alone():  # the result is `x`
+        if self._alone():  # the result is `x` with the joined ranks' identities
+            ACCUMULATE[OPS[op_code - 1]](x, wire.identity(op, x.dtype), out=out)
             if kept:
-                self._announce_alone(x, op_code, code, kept)
-            if out is not x:
-                out[...] = x
+                self._announce_alone(out, op_code, code, kept)
             return result if wait else _completed(result, f"allreduce ({self._where}, alone)")
         floats = x.dtype.kind == "f" and op_code in (wire.MAX_CODE, wire.MIN_CODE) \
             and type(x) is np.ndarray  # NaN: the same on every rank, through ordered keys

@@ -67,26 +67,20 @@ from mpi4py import MPI
 from ..algorithms._joinable_comm import JoinableComm
 from ..algorithms.join import JOIN_CHECK, Join
 from ..comm._tensors import host_array
-from ..errors import CollectiveMismatchError
 from ..parallel._data_parallel import current_step
 from .metrics import StatesDiffer, group_of, group_size, overlap, reduce_states
 
 
 def _sums(group: Any, local: np.ndarray, channels: int, check: bool = False) -> np.ndarray:
-    """`local` (float64, host) summed over the group's ranks: one allreduce.
-
-    With `check` (the forward pass; the backward pass has the same lengths), ranks with
-    different numbers of `channels` raise ``ValueError`` on every rank: over a communicator
-    through a comparison first (see reduce_states); through a JoinableComm, whose
-    announcement compares the element counts before any data moves, without one."""
-    joinable = isinstance(group, JoinableComm)
+    """`local` (float64, host) summed over the group's ranks: one allreduce; with `check` (the
+    forward pass; the backward pass has the same lengths), every rank's number of `channels`
+    is compared first (see reduce_states): ``ValueError`` on every rank, joined ones too."""
     try:
-        return reduce_states({"sums": local}, group, check=check and not joinable)["sums"]
-    except (StatesDiffer, CollectiveMismatchError) as error:
-        if not check or (joinable and not isinstance(error, CollectiveMismatchError)):
-            raise
-        raise ValueError(f"SyncBatchNorm: ranks have different numbers of channels (this rank "
-                         f"{channels}): every rank must run the same model") from error
+        return reduce_states({"sums": local}, group, check=check)["sums"]
+    except StatesDiffer:
+        _refuse(group, ValueError(f"SyncBatchNorm: ranks have different numbers of channels "
+                                  f"(this rank {channels}): every rank must run the same "
+                                  f"model"))
 
 
 def _refuse(group: Any, error: Exception) -> NoReturn:
@@ -246,6 +240,26 @@ def _host(sums: torch.Tensor) -> np.ndarray:
     return host_array(sums, "sums")
 
 
+def _lost(dtype: torch.dtype) -> float:
+    """The ratio ``E[x^2] / var`` above which the variance from the sums of the values and of
+    their squares (float64) is less exact than the batch's dtype can tell apart (for float64, 1e-12
+    relative): float64 keeps ``2**-53 * ratio`` of its digits' worth in error."""
+    return max(torch.finfo(_working(torch.empty(0, dtype=dtype)).dtype).eps / 16, 2.0 ** -40) \
+        / 2.0 ** -53
+
+
+def _centred(group: Any, wide: torch.Tensor, mean: np.ndarray, count: int,
+             channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """The mean and the variance from the sums of ``x - mean`` and of its squares (float64),
+    one more allreduce: exact where the mean is far from zero (every active rank takes this
+    pass alike: it decides from the same sums)."""
+    centred = wide - torch.from_numpy(mean).to(wide.device)[None, :, None]
+    local = np.concatenate([_host(centred.sum((0, 2))), _host(centred.square().sum((0, 2)))])
+    totals = _sums(group, local, channels)
+    shift = totals[:channels] / count
+    return mean + shift, np.maximum(totals[channels:] / count - shift * shift, 0.0)
+
+
 class _SyncBatchNormFunction(torch.autograd.Function):
     """The statistics of every rank's batch, summed in float64 (one allreduce of 2C + 4
     numbers); the per-channel arithmetic in NumPy; the passes over the batch in its own dtype
@@ -270,7 +284,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 f"Expected more than 1 value per channel when training, got {count} over "
                 f"every rank (input size {list(x.shape)} here)"))
         mean = totals[:channels] / max(count, 1)  # empty everywhere: as serial, an empty
-        var = np.maximum(totals[channels:2 * channels] / max(count, 1) - mean * mean, 0.0)
+        second = totals[channels:2 * channels] / max(count, 1)  # output
+        var = np.maximum(second - mean * mean, 0.0)
+        if np.any(second > _lost(flat.dtype) * var):  # E[x^2] - E[x]^2 lost too many digits:
+            mean, var = _centred(group, wide, mean, count, channels)  # a second pass
         if running_mean is not None and running_var is not None and count > 0:
             with torch.no_grad():
                 running_mean.mul_(1 - factor).add_(_vector(factor * mean, running_mean))

@@ -59,20 +59,20 @@ def check_construction(params: Any, buffers: Any, bucket_cap_mb: Any, broadcast_
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
     root = _check_rank(broadcast_from, "broadcast_from", size)
-    _check_compress(compress, arrays, device)
+    _check_compress(compress, arrays, frozen, device)
     return Arguments(given, arrays, buffer_arrays, given_buffers, frozen, device, root,
                      _check_update(update), compress)
 
 
-def _check_compress(compress: Any, arrays: list[Any], device: str) -> None:
+def _check_compress(compress: Any, arrays: list[Any], frozen: list[bool], device: str) -> None:
     """Raise unless `compress` is None, or ``"bf16"`` or ``"fp16"`` with float32 params on
-    the CPU."""
+    the CPU (but frozen ones, which are never reduced)."""
     if compress is None:
         return
     if compress not in COMPRESSIONS:
         raise ValueError(f"compress must be None, 'bf16' or 'fp16', got {compress!r}")
-    for i, array in enumerate(arrays):
-        if array.dtype != np.float32:
+    for i, (array, still) in enumerate(zip(arrays, frozen)):
+        if array.dtype != np.float32 and not still:
             raise TypeError(f"compress={compress!r} takes float32 params (as DDP's compression "
                             f"hooks), params[{i}] is {format_name(array.dtype)}")
     if device != "cpu":

@@ -19,7 +19,7 @@ NUMPY_OPS = {"SUM": np.add, "PROD": np.multiply, "MAX": np.maximum, "MIN": np.mi
 CASES = [(dtype, op) for dtype in ("float32", "float64") for op in ("SUM", "PROD", "MAX", "MIN")]
 CASES += [(dtype, op) for dtype in ("int32", "int64")
           for op in ("SUM", "PROD", "MAX", "MIN", "BAND", "BOR")]
-CASES += [("bool", "LAND"), ("bool", "LOR")]
+CASES += [("bool", "LAND"), ("bool", "LOR"), ("int32", "LAND"), ("int64", "LOR")]
 
 
 def data(rank, t, dtype, n=3):
@@ -49,8 +49,10 @@ def test_every_op_and_dtype_equals_a_reduction_over_the_active_ranks(comm, patte
     bad = []
     for t, results in enumerate(got):
         for (dtype, op), result in zip(CASES, results):
-            expected = functools.reduce(NUMPY_OPS[op],
-                                        [data(r, t, dtype) for r in active(inputs, t)])
+            values = [data(r, t, dtype) for r in active(inputs, t)]
+            if comm.size > 1:  # joined ranks' identities, or none: integer LAND, LOR give 0
+                values.append(identity(getattr(MPI, op), dtype))  # or 1 as over 2 ranks (MPI
+            expected = functools.reduce(NUMPY_OPS[op], values)  # over 1 applies no op)
             if result.dtype != np.dtype(dtype) or not np.array_equal(result, expected):
                 bad.append(f"iteration {t} {op} {dtype}: {result} != {expected}")
     assert_all(not bad, "; ".join(bad[:3]))
@@ -100,7 +102,7 @@ def test_a_joined_int_root_is_an_error_on_every_rank(comm):
 
 @pytest.mark.mpi(min_size=2)
 def test_an_int_root_that_joined_is_an_error_where_one_rank_is_left(comm):
-    """The only active rank (a count of one read in an earlier iteration) issues no data
+    """The only active rank (a count of one read) issues no data
     collective: a bcast from a joined int root still raises on every rank."""
     jc = JoinableComm(comm)
     with raises_everywhere(ValueError, match="bcast root 0 is not an active rank"):

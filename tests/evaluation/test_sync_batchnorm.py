@@ -144,13 +144,21 @@ def test_different_channel_counts_raise_on_every_rank(comm, affine, through):
             layer(torch.ones(4, channels, dtype=torch.float64))
 
 
-def narrow_batches(size, channels=3, length=5):
-    """Every rank's batch (float64), sizes 2, 3, 4, ...; channel 0's mean far from zero (where
-    a variance from float32 sums of squares would lose digits), channel 1's small."""
+OFFSETS = [0.01, -2.0]
+"""The means of channels 1 and 2; channel 0's is the test's (far from zero: a variance from
+the sums of the values and of their squares would lose digits)."""
+
+
+def offset_batches(size, far, channels=3, length=5):
+    """Every rank's batch (float64, sizes 2, 3, 4, ...: std 1 about the channels' means), and
+    the same less the means: the batch that BatchNorm normalises the same way, mathematically,
+    but that float64 holds without the means' rounding (the exact reference's)."""
     g = torch.Generator().manual_seed(7)
-    offsets = torch.tensor([300.0, 0.01, -2.0], dtype=torch.float64)[:channels]
-    return [torch.randn(2 + r, channels, length, generator=g, dtype=torch.float64)
-            + offsets[None, :, None] for r in range(size)]
+    offsets = torch.tensor([far, *OFFSETS], dtype=torch.float64)[:channels, None]
+    centred = [torch.randn(2 + r, channels, length, generator=g, dtype=torch.float64)
+               for r in range(size)]
+    shifted = [x + offsets for x in centred]
+    return shifted, [x - offsets for x in shifted]  # exact: x and the offset are close
 
 
 def batchnorm_grads(xs, dtype, layer=None, first=0):
@@ -174,14 +182,17 @@ def batchnorm_grads(xs, dtype, layer=None, first=0):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_narrow_models_are_as_exact_as_serial_batchnorm(comm, dtype):
-    """A float32 or bfloat16 layer, every rank's batch: the output, the input gradient and the
-    weight's and bias's (summed over the ranks, as DataParallel does) are within a few times
-    serial BatchNorm's own error in that dtype of the float64 replay."""
+@pytest.mark.parametrize("far", [300.0, 3e5])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_batchnorm_is_as_exact_as_serial_with_a_mean_far_from_zero(comm, dtype, far):
+    """A layer in `dtype`, every rank's batch, a channel whose mean is `far` times its std: the
+    output, the input gradient and the weight's and bias's (summed over the ranks, as
+    DataParallel does) are within a few times serial BatchNorm's own error in that dtype of
+    the float64 replay of the centred batch (BatchNorm's result does not change with a shift
+    of a channel; float64 holds the centred batch without the mean's rounding)."""
     dtype = getattr(torch, dtype)
-    xs = narrow_batches(comm.size)
-    exact = batchnorm_grads(xs, torch.float64)
+    xs, centred = offset_batches(comm.size, far)
+    exact = batchnorm_grads(centred, torch.float64)
     serial = batchnorm_grads(xs, dtype)
     layer = SyncBatchNorm(3, process_group=comm).to(dtype)
     rows = [sum(len(x) for x in xs[:comm.rank]), sum(len(x) for x in xs[:comm.rank + 1])]

@@ -112,6 +112,18 @@ def test_compress_misuse_is_refused_on_every_rank(comm, params, compress, error,
         DataParallel(params, comm=comm, compress=compress)
 
 
+@pytest.mark.mpi(min_size=1)
+def test_a_frozen_parameter_of_another_dtype_is_no_reason_to_refuse(comm):
+    """A frozen float64 ``Parameter`` is never reduced: compress takes the model; a float64
+    tensor trained by hand (no ``Parameter``) is reduced, and refused."""
+    frozen = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64), requires_grad=False)
+    dp = DataParallel([torch.zeros(4), frozen], comm=comm, compress="bf16")
+    with raises_everywhere(TypeError, match=r"params\[1\] is float64"):
+        DataParallel([torch.zeros(4), torch.zeros(3, dtype=torch.float64)], comm=comm,
+                     compress="bf16")
+    assert_all(dp.compress == "bf16")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_ranks_that_differ_in_compress_are_refused_on_every_rank(comm):
     with raises_everywhere(ValueError, match="different .*compress"):
