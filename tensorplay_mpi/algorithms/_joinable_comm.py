@@ -61,6 +61,10 @@ from ._kept import ACCUMULATE, OUT, KeptArrays
 from .join import ElasticJoinable, Join, JoinHook
 from ._stream import BlockStream
 
+_LOGICAL = {OPS.index(name) + 1 for name in ("LAND", "LOR", "LXOR")}
+"""The op codes whose result over one rank's integers is 0 or 1, not the integers."""
+
+
 def _fits_persistent(x: Any) -> bool:
     """Whether `x` (as :meth:`JoinableComm._array` gives it) takes a persistent collective while
     every rank is active: a host array of at most :data:`~tensorplay_mpi.comm._persistent.MAX_BYTES`
@@ -443,7 +447,10 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         """The announcement and the data of an allreduce whose arguments are checked."""
         self._start_operation()
         if self._alone():  # the result is `x` with the joined ranks' identities
-            ACCUMULATE[OPS[op_code - 1]](x, wire.identity(op, x.dtype), out=out)
+            if op_code in _LOGICAL and x.dtype.kind != "b":  # integers: 0 or 1
+                ACCUMULATE[OPS[op_code - 1]](x, wire.identity(op, x.dtype), out=out)
+            elif out is not x:  # any other op leaves `x` as it is
+                out[...] = x
             if kept:
                 self._announce_alone(out, op_code, code, kept)
             return result if wait else _completed(result, f"allreduce ({self._where}, alone)")
