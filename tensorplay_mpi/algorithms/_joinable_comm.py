@@ -317,9 +317,10 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         earlier one of this Join counted one active rank (the count never grows).  Its
         operations then need no data collective: a result is its own input, and joined ranks
         receive only those applied to kept arrays (:meth:`_announce_alone`)."""
+        if self._alone_in is None or self._alone_in is not self._owner:
+            return False
         join = self.join_context
-        return self._alone_in is not None and self._alone_in is self._owner is join \
-            and not join.runs_everywhere
+        return join is self._owner and not join.runs_everywhere
 
     def _announce_alone(self, x: Any, op: int, code: int, kept: int) -> None:
         """The only active rank's result `x` of an operation on a kept array (`op` 0: a
