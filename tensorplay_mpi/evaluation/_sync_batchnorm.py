@@ -66,21 +66,29 @@ from mpi4py import MPI
 
 from ..algorithms._joinable_comm import JoinableComm
 from ..algorithms.join import JOIN_CHECK, Join
+from ..comm._collectives import default_timeout, iallreduce
 from ..comm._tensors import host_array
 from ..parallel._data_parallel import current_step
 from .metrics import StatesDiffer, group_of, group_size, overlap, reduce_states
 
 
 def _sums(group: Any, local: np.ndarray, channels: int, check: bool = False) -> np.ndarray:
-    """`local` (float64, host) summed over the group's ranks: one allreduce; with `check` (the
-    forward pass; the backward pass has the same lengths), every rank's number of `channels`
-    is compared first (see reduce_states): ``ValueError`` on every rank, joined ones too."""
-    try:
-        return reduce_states({"sums": local}, group, check=check)["sums"]
-    except StatesDiffer:
-        _refuse(group, ValueError(f"SyncBatchNorm: ranks have different numbers of channels "
-                                  f"(this rank {channels}): every rank must run the same "
-                                  f"model"))
+    """`local` (float64, host) summed over the group's ranks, in place: one allreduce; with
+    `check` (the forward pass; later passes have the same lengths), every rank's number of
+    `channels` is compared first (see reduce_states): ``ValueError`` on every rank, joined ones
+    too."""
+    if check:
+        try:
+            return reduce_states({"sums": local}, group)["sums"]
+        except StatesDiffer:
+            _refuse(group, ValueError(f"SyncBatchNorm: ranks have different numbers of "
+                                      f"channels (this rank {channels}): every rank must run "
+                                      f"the same model"))
+    if isinstance(group, JoinableComm):
+        return group.allreduce(local, out=local)
+    iallreduce(group, MPI.IN_PLACE, local, MPI.SUM, "SyncBatchNorm's sums").wait_or_abort(
+        default_timeout())
+    return local
 
 
 def _refuse(group: Any, error: Exception) -> NoReturn:
@@ -237,15 +245,16 @@ def _per_channel(values: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 
 
 def _host(sums: torch.Tensor) -> np.ndarray:
-    return host_array(sums, "sums")
+    """Per-channel sums on the host: a view of a CPU tensor, a copy of a device one."""
+    return sums.numpy() if sums.device.type == "cpu" else host_array(sums, "sums")
 
 
 def _lost(dtype: torch.dtype) -> float:
     """The ratio ``E[x^2] / var`` above which the variance from the sums of the values and of
     their squares (float64) is less exact than the batch's dtype can tell apart (for float64, 1e-12
     relative): float64 keeps ``2**-53 * ratio`` of its digits' worth in error."""
-    return max(torch.finfo(_working(torch.empty(0, dtype=dtype)).dtype).eps / 16, 2.0 ** -40) \
-        / 2.0 ** -53
+    working = dtype if dtype in (torch.float32, torch.float64) else torch.float32  # _working
+    return max(torch.finfo(working).eps / 16, 2.0 ** -40) / 2.0 ** -53
 
 
 def _centred(group: Any, wide: torch.Tensor, mean: np.ndarray, count: int,
@@ -294,8 +303,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 running_var.mul_(1 - factor).add_(
                     _vector(factor * var * count / (count - 1), running_var))
         work = _working(flat)
+        moments = _vector(np.stack([mean, var]), work)
         y = torch.nn.functional.batch_norm(  # (x - mean) * invstd * weight + bias
-            work, _vector(mean, work), _vector(var, work),
+            work, moments[0], moments[1],
             None if weight is None else weight.detach().to(work.dtype),
             None if bias is None else bias.detach().to(work.dtype), False, 0.0, eps)
         ctx.save_for_backward(x, weight)
@@ -324,9 +334,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             mean_dy, mean_dy_xmu = totals[:channels] / count, totals[channels:-1] / count
             scale = invstd if weight is None else invstd * _host(weight.detach().double())
             # scale * (dy - mean_dy - xmu * invstd^2 * mean_dy_xmu), per channel in float64
-            grad_input = xmu.mul_(_per_channel(-scale * invstd * invstd * mean_dy_xmu, flat))
-            grad_input.addcmul_(dy, _per_channel(scale, flat))
-            grad_input.sub_(_per_channel(scale * mean_dy, flat))
+            factors = _vector(np.stack([-scale * invstd * invstd * mean_dy_xmu, scale,
+                                        scale * mean_dy]), flat)[:, None, :, None]
+            grad_input = xmu.mul_(factors[0]).addcmul_(dy, factors[1]).sub_(factors[2])
             grad_input = grad_input.to(x.dtype).reshape(x.shape)
         grad_weight = grad_bias = None
         if weight is not None and ctx.needs_input_grad[1]:  # local: the gradient averaging
