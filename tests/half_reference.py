@@ -31,6 +31,18 @@ def loss_of(model, rank, t):
     return torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
 
 
+def train(comm, model, dp, inputs):
+    """`model` trained through `dp` in one Join, this rank's `inputs[rank]` steps; then the
+    float64 replay's model and largest gradients (:func:`replay`)."""
+    from tensorplay_mpi import Join
+    with Join([dp]):
+        for t in range(inputs[comm.rank]):
+            model.zero_grad()
+            with dp.step():
+                loss_of(model, comm.rank, t).backward()
+    return replay(inputs, comm.size)
+
+
 def replay(inputs, size):
     """The float64 model trained serially: each global step averages the active ranks'
     gradients over `size`; also, per parameter, the largest |gradient| of any step."""

@@ -17,7 +17,7 @@ from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 torch = pytest.importorskip("torch")
 
-from half_reference import LR, STEPS, Small, loss_of, replay, training_tolerance  # noqa: E402
+from half_reference import LR, STEPS, Small, train, training_tolerance  # noqa: E402
 from torch_reference import same_everywhere  # noqa: E402
 
 FORMATS = {"bf16": (torch.bfloat16, 2.0 ** -8), "fp16": (torch.float16, 2.0 ** -11)}
@@ -87,12 +87,7 @@ def test_a_float32_model_trains_with_compression_like_a_float64_replay(comm, nam
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     dp = DataParallel(model.parameters(), comm=comm, bucket_cap_mb=1e-4, update=opt.step,
                       compress=name)
-    with Join([dp]):
-        for t in range(inputs[comm.rank]):
-            model.zero_grad()
-            with dp.step():
-                loss_of(model, comm.rank, t).backward()
-    expected, largest = replay(inputs, comm.size)
+    expected, largest = train(comm, model, dp, inputs)
     got = [p.detach().numpy() for p in model.parameters()]
     excess = [float(np.max(np.abs(g - e.detach().numpy())
                            - training_tolerance(2.0 ** -24, e.detach().numpy(), m.item(),

@@ -24,7 +24,7 @@ from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 torch = pytest.importorskip("torch")
 
-from half_reference import LR, STEPS, Small, loss_of, replay, training_tolerance  # noqa: E402
+from half_reference import LR, STEPS, Small, loss_of, train, training_tolerance  # noqa: E402
 from torch_reference import same_everywhere  # noqa: E402
 
 U32 = 2.0 ** -24
@@ -120,12 +120,7 @@ def test_a_half_torch_model_trains_like_a_float64_replay(comm, name, optimizer, 
     opt = (torch.optim.SGD(model.parameters(), lr=LR) if optimizer == "torch"
            else library_sgd(model, dp))
     steps.append(opt.step)
-    with Join([dp]):
-        for t in range(inputs[comm.rank]):
-            model.zero_grad()
-            with dp.step():
-                loss_of(model, comm.rank, t).backward()
-    expected, largest = replay(inputs, comm.size)
+    expected, largest = train(comm, model, dp, inputs)
     got = [p.detach().double().numpy() for p in model.parameters()]
     bits = [p.detach().view(torch.int16).numpy() for p in model.parameters()]
     excess = [float(np.max(np.abs(g - e.detach().numpy())
