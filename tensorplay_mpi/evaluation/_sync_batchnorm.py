@@ -68,7 +68,7 @@ from ..algorithms._joinable_comm import JoinableComm
 from ..algorithms.join import JOIN_CHECK, Join
 from ..comm._collectives import default_timeout, iallreduce
 from ..comm._tensors import host_array
-from ..parallel._data_parallel import current_step
+from ..parallel._data_parallel import DataParallel, current_step
 from .metrics import StatesDiffer, group_of, group_size, overlap, reduce_states
 
 
@@ -211,7 +211,16 @@ def _check_in_join(group: JoinableComm | MPI.Intracomm, given: bool) -> None:
     JoinableComm: joined ranks shadow nothing else; raise before any reduction.  `given`: the
     layer has a group of its own (else it found no JoinableComm in the Join)."""
     join = Join.current()
-    if join is None or any(j is group for j in join.joinables):
+    if join is None:
+        return
+    if any(j is group for j in join.joinables):
+        if isinstance(join.joinables[0], DataParallel) and current_step() is None:
+            raise RuntimeError(
+                "a SyncBatchNorm forward pass in training mode, in a Join that a DataParallel "
+                "leads, runs inside `with dp.step():`: its heartbeat starts the iteration, and "
+                "a forward pass before the step or under dp.no_sync() belongs to no iteration "
+                "(a rank that has just run out of inputs would not shadow its statistics); "
+                "accumulate gradients with dp.step(micro_batches=K)")
         return
     comm = group.comm if isinstance(group, JoinableComm) else group
     if overlap(comm, join.joinables[0].join_process_group) == 0:

@@ -132,6 +132,12 @@ def check_state(state_dict: dict[str, Any], optimizer: str, state_names: Sequenc
 
     `source` names the state dict in the message.
     """
+    missing = [key for key in ("optimizer", "state", "defaults", "steps")
+               if not isinstance(state_dict, dict) or key not in state_dict]
+    if missing:  # a torch.optim state dict ("state", "param_groups"), or none
+        raise ValueError(f"{source} is no state dict of this library's optimizers (it lacks "
+                         f"{missing}; a torch.optim one has 'state' and 'param_groups' only): "
+                         f"load what {optimizer}.state_dict() gave")
     if state_dict["optimizer"] != optimizer:
         raise ValueError(f"{source} holds {state_dict['optimizer']} state, the optimizer is "
                          f"{optimizer}")

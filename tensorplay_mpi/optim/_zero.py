@@ -211,6 +211,8 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
         mine = self.local.state_dict()
         full = {k: mine[k] for k in ("optimizer", "defaults", "param_groups", "schedules",
                                      "steps")}  # the groups: the same on every rank
+        full["param_groups"] = [dict(group, max_grad_norm=self.max_grad_norm)  # clipped here,
+                                for group in full["param_groups"]]  # over all, not a shard
         full["param_steps"] = steps = np.zeros(len(self.params), dtype=np.int64)
         steps[self._shard_index] = mine["param_steps"]
         full["state"] = {i: mine["state"][k] for k, i in enumerate(self.shard)}

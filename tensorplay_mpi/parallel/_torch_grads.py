@@ -26,13 +26,31 @@ import numpy as np
 
 from ..comm._tensors import is_tensor
 
-_BINDING = "_tensorplay_mpi_binding"  # the attribute of a bound parameter: weakref to its binding
+_BINDING = "_tensorplay_mpi_binding"  # the attribute of a bound parameter: a _BoundTo
+
+
+class _BoundTo:
+    """A parameter's weak link to the binding of its gradient: called, the binding or None.
+    Pickled (``torch.save(model)``, ``copy.deepcopy``) as nothing: a loaded or copied model is
+    bound to no DataParallel."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, binding: Any) -> None:
+        self._ref = weakref.ref(binding)
+
+    def __call__(self) -> Any:
+        return self._ref()
+
+    def __reduce__(self) -> tuple:
+        return type(None), ()
 
 
 def check_unbound(params: list[Any]) -> None:
     """Raise ``ValueError`` if a parameter's ``p.grad`` is bound to a live DataParallel."""
     for i, p in enumerate(params):
-        if is_tensor(p) and getattr(p, _BINDING, lambda: None)() is not None:
+        bound = getattr(p, _BINDING, None) if is_tensor(p) else None
+        if bound is not None and bound() is not None:
             raise ValueError(f"params[{i}] already has its gradient bound to the buckets of "
                              "another DataParallel that is still alive: use one DataParallel "
                              "per model; to replace it (after unfreezing, say), drop every "
@@ -90,7 +108,7 @@ class TorchGradients:
         self.bound[list(self._params)] = True
         self.point_grads_at_buckets(self._params)
         for p in self._params.values():
-            setattr(p, _BINDING, weakref.ref(self))
+            setattr(p, _BINDING, _BoundTo(self))
         if on_accumulated is not None:
             ref = weakref.ref(owner)
             for i, p in self._params.items():

@@ -133,6 +133,17 @@ def test_loading_another_optimizers_state_is_a_value_error():
             Adam(params, grads_per_step[0]).state_dict())
 
 
+def test_loading_a_torch_optimizers_state_is_a_value_error():
+    torch = pytest.importorskip("torch")
+    weights = torch.nn.Parameter(torch.ones(3))
+    theirs = torch.optim.Adam([weights])
+    weights.grad = torch.ones(3)
+    theirs.step()
+    params, grads_per_step = problem()
+    with pytest.raises(ValueError, match="no state dict of this library's optimizers"):
+        Adam(params, grads_per_step[0]).load_state_dict(theirs.state_dict())
+
+
 def test_partition_is_deterministic_and_balanced():
     sizes = [800, 100, 400, 400, 300, 200, 100, 700]
     owners = partition(sizes, 3)

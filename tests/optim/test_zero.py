@@ -5,7 +5,7 @@ import pytest
 from helpers import UNEVEN, gathered_equal
 from linear import gradient, initial_params, make_problem, rank_batches
 
-from tensorplay_mpi import SGD, Adam, DataParallel, Join, ZeroRedundancyOptimizer
+from tensorplay_mpi import SGD, Adam, AdamW, DataParallel, Join, ZeroRedundancyOptimizer
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 OPTIMIZERS = {
@@ -265,3 +265,20 @@ def test_a_step_broadcasts_once_per_owner_for_small_params(comm, monkeypatch):
     owners = len(set(opt.owners[:200]))
     assert_all(len(started) == owners + 1, f"{len(started)} broadcasts for {owners} owners")
     assert_all(all(np.all(p == 0.9) for p in params), "a parameter missed its step")
+
+
+@pytest.mark.mpi
+def test_a_consolidated_state_keeps_the_clipping_a_local_optimizer_loads(comm):
+    """ZeRO clips all gradients itself, its shard optimizer never; the consolidated state's
+    groups carry ZeRO's max_grad_norm, so a local optimizer loading it keeps clipping."""
+    params, grads = [np.ones(4), np.ones(3)], [np.full(4, 100.0), np.full(3, 100.0)]
+    zero = ZeroRedundancyOptimizer(params, grads, optimizer_class=AdamW, comm=comm, lr=0.1,
+                                   max_grad_norm=1.0)
+    zero.step()
+    zero.consolidate_state_dict(0)
+    clipped = None
+    if comm.rank == 0:
+        local = AdamW([np.ones(4), np.ones(3)], [np.zeros(4), np.zeros(3)], lr=0.1)
+        local.load_state_dict(zero.state_dict())
+        clipped = local.param_groups[0]["max_grad_norm"]
+    assert_all(comm.rank != 0 or clipped == 1.0, f"max_grad_norm after the load: {clipped}")

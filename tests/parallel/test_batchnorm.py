@@ -20,16 +20,18 @@ import os
 
 import numpy as np
 import pytest
+from helpers import PROGRAMS, results
 
 from tensorplay_mpi import (SGD, Adam, DataParallel, Join, JoinableComm,
                             ZeroRedundancyOptimizer, checkpoint, request_save, request_stop)
-from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
+from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere, run_mpi
 
 torch = pytest.importorskip("torch")
 from tensorplay_mpi.evaluation._sync_batchnorm import SyncBatchNorm  # noqa: E402  (needs torch)
 
 PATTERNS = ["three_plus_rank", "rank0_zero", "last_zero", "even"]
 TOL = 1e-9
+PROGRAM_OUTSIDE = str(PROGRAMS / "sbn_outside_step.py")
 
 
 class Net(torch.nn.Module):
@@ -275,6 +277,21 @@ def test_the_forward_pass_before_the_first_step_is_refused_with_the_remedy(comm)
     with raises_everywhere(RuntimeError, match=r"inside `with dp.step\(\):`"):
         with Join([dp, jc]):
             model(batch(comm.rank, 0, n=3)[0])
+
+
+@pytest.mark.parametrize("outside", ["before_the_step", "no_sync"])
+def test_a_later_forward_pass_outside_the_step_is_refused_not_hung(outside):
+    """tests/programs/sbn_outside_step.py: a forward pass before dp.step() (or under no_sync)
+    in a later iteration, as rank 0 runs out of inputs: its statistics belong to no iteration
+    and rank 0 would never shadow them (it hung until the timeout).  RuntimeError where it
+    runs, a PeerFailureError naming it on rank 0, within 60 s."""
+    result = run_mpi(2, [PROGRAM_OUTSIDE, outside], timeout=60)
+    outcomes = results(result.stdout)
+    assert set(outcomes) == {0, 1}, result.stdout + result.stderr[-2000:]
+    assert outcomes[1].startswith("RuntimeError: ") and "inside `with dp.step():`" in \
+        outcomes[1], outcomes
+    assert outcomes[0].startswith("PeerFailureError: ") and "inside `with dp.step():`" in \
+        outcomes[0], outcomes
 
 
 @pytest.mark.mpi

@@ -1,6 +1,7 @@
 """Fine-tuning as the docs write it: a layer frozen, a Join; then unfrozen, `del dp`, a new
 DataParallel over the same parameters and a new Join; against serial torch.optim."""
 
+import copy
 import gc
 import weakref
 
@@ -74,3 +75,23 @@ def test_a_refusal_names_what_may_still_hold_the_old_one(comm):
     del forgotten
     gc.collect()  # the forgotten Join and its DataParallel reference each other
     DataParallel(model.parameters(), comm=comm)  # accepted once nothing holds the old one
+
+
+@pytest.mark.mpi
+def test_a_whole_model_saved_after_training_loads_unbound(comm, tmp_path_factory):
+    """torch.save(model) after a DataParallel trained it (the parameters' link to their
+    binding pickled a weak reference: TypeError); the loaded model and a deep copy are bound
+    to nothing, so a DataParallel over them is accepted while the first is alive."""
+    model = Branchy()
+    dp = DataParallel(model.parameters(), comm=comm)
+    with Join([dp]):
+        with dp.step():
+            loss_of(model, comm.rank, 0).backward()
+    path = tmp_path_factory.mktemp(f"whole-{comm.rank}") / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    copied = copy.deepcopy(model)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
+    for other in (loaded, copied):
+        DataParallel(other.parameters(), comm=comm)
+    assert_all(same and dp.steps == 1, "the loaded model differs")
