@@ -201,6 +201,17 @@ def encode(announcement: np.ndarray, fields: tuple, rank: int,
     return made
 
 
+def as_payload(x: Any) -> np.ndarray:
+    """The bytes of `x` (at most ``8 * PAYLOAD``) as payload words, zero-padded."""
+    return np.frombuffer(x.tobytes().ljust(8 * PAYLOAD, b"\0"), np.int64)
+
+
+def from_payload(announcement: np.ndarray, dtype: np.dtype, count: int) -> np.ndarray:
+    """The `count` values of `dtype` whose bytes an announcement's payload carries."""
+    data = announcement[PAYLOAD_AT:].tobytes()[:count * np.dtype(dtype).itemsize]
+    return np.frombuffer(data, dtype)
+
+
 _NAMES = {END: "the end of an iteration", ALLREDUCE: "allreduce", ALLGATHER: "allgather",
           BCAST: "bcast", REFUSED: "a call with a bad argument", CARRIED_ALLREDUCE: "allreduce",
           CARRIED_BCAST: "bcast", BLOCK: "a block of another joinable",

@@ -327,8 +327,7 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         broadcast), for the joined ranks: in the announcement's payload when it fits, else a
         broadcast from this rank after it."""
         small = x.nbytes <= 8 * wire.PAYLOAD
-        words = np.frombuffer(x.tobytes().ljust(8 * wire.PAYLOAD, b"\0"), np.int64) \
-            if small else None
+        words = wire.as_payload(x) if small else None
         self._announce(wire.ALONE, op, code, count=x.size, rows=kept << 2, payload=words)
         if not small:
             self._wait(ibcast(self.comm, x, self.rank, f"kept result ({self._where})"))
@@ -582,12 +581,11 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
             return result if wait else _completed(result, f"bcast ({self._where}, alone)")
         writer = self._carrier(x, target)
         if writer is not None:  # small, and its root known: the announcement carries it
-            words = np.frombuffer(x.tobytes().ljust(8 * wire.PAYLOAD, b"\0"), np.int64)
+            words = wire.as_payload(x)
             values = self._announce(wire.CARRIED_BCAST, 0, code, target, x.size,
                                     rows=kept << 2, payload=words, writer=writer)
             _check_root(target, highest or values[wire.ROOT_IS_ME] == 1)
-            data = self._announcement[wire.PAYLOAD_AT:].tobytes()[:x.nbytes]
-            out[...] = np.frombuffer(data, x.dtype).reshape(x.shape)
+            out[...] = wire.from_payload(self._announcement, x.dtype, x.size).reshape(x.shape)
             return result if wait else _completed(result, f"bcast ({self._where}, carried)")
         persistent = wait and _fits_persistent(x)
         values = self._announce(wire.BCAST, 0, code, target, x.size,
@@ -751,8 +749,7 @@ class _FollowAnnouncements(JoinHook):
         from the announcement's payload, or from its broadcast when it did not fit."""
         jc, dtype = self.jc, wire.DTYPES[code - 1]
         if count * dtype.itemsize <= 8 * wire.PAYLOAD:
-            data = jc._announcement[wire.PAYLOAD_AT:].tobytes()[:count * dtype.itemsize]
-            values = np.frombuffer(data, dtype)
+            values = wire.from_payload(jc._announcement, dtype, count)
         else:
             values = self._shadow_buffers(0, count, dtype)[1]
             jc._wait(ibcast(jc.comm, values, alone, f"kept result ({jc._where})"))
@@ -779,8 +776,8 @@ class _FollowAnnouncements(JoinHook):
                 _check_root(root, root == -1 or root_active == 1)
                 if rows >> 2:
                     kept = jc._kept.arrays[rows >> 4]
-                    data = jc._announcement[wire.PAYLOAD_AT:].tobytes()[:kept.nbytes]
-                    jc._kept.apply(rows >> 2, 0, np.frombuffer(data, kept.dtype))
+                    jc._kept.apply(rows >> 2, 0,
+                                   wire.from_payload(jc._announcement, kept.dtype, kept.size))
                 continue
             if kind == wire.ALONE:  # a result of the only active rank, for a kept array
                 self._apply_alone(op, code, count, rows, highest)
