@@ -11,7 +11,8 @@ once.  Each repeat times, interleaved, on one communicator (the slowest rank's t
 - ``floor_all_active``: ``nonblocking`` plus the Join's heartbeat, an ``Iallreduce`` of one
   int64: what a Join with every rank active needs at the least, without any Python;
 - ``floor_one_joined``: the collectives of an iteration with a rank joined, without any Python:
-  the heartbeat, an announcement (``Iallreduce`` of 18 int64, MAX) and the SUM, one
+  the heartbeat, an announcement (``Iallreduce`` of 42 int64, MAX) that carries the SUM where
+  every rank's values fit its slots (8 float64 up to 4 ranks; else the SUM follows it), one
   announcement that carries the MAX, one that carries the broadcast, and END;
 - ``jc_outside``: ``jc.allreduce``/``jc.bcast`` outside any Join;
 - ``jc_all_active``: ``begin_iteration()`` and the same three inside ``Join([jc])``;
@@ -34,6 +35,7 @@ from bench_dp import slowest
 from mpi4py import MPI
 
 from tensorplay_mpi import Join, JoinableComm
+from tensorplay_mpi.algorithms._announcements import PAYLOAD, SLOTS
 
 TARGETS = {"jc_all_active": 2.0, "jc_one_joined": 2.5}
 
@@ -44,7 +46,7 @@ def schedules(comm, jc, iterations, elements):
     out_s, out_m, out_b = np.empty_like(s), np.empty_like(m), np.empty_like(b)
     last = comm.size - 1
     word, words = np.ones(1, np.int64), np.empty(1, np.int64)
-    header = np.zeros(18, np.int64)
+    header = np.zeros(SLOTS, np.int64)
 
     def blocking():
         for _ in range(iterations):
@@ -64,7 +66,8 @@ def schedules(comm, jc, iterations, elements):
         for _ in range(iterations):
             comm.Iallreduce(word, words, MPI.SUM).Wait()
             comm.Iallreduce(MPI.IN_PLACE, header, MPI.MAX).Wait()
-            comm.Iallreduce(s, out_s, MPI.SUM).Wait()
+            if elements * comm.size > PAYLOAD:  # else the SUM travels in the announcement
+                comm.Iallreduce(s, out_s, MPI.SUM).Wait()
             for _ in range(3):  # the MAX, the broadcast, END
                 comm.Iallreduce(MPI.IN_PLACE, header, MPI.MAX).Wait()
 

@@ -1,13 +1,15 @@
 """The codec of JoinableComm's announcements: what an operation is, as the int64 fields that
-every rank's ``Iallreduce(int64[18], MAX)`` carries while ranks have joined.
+every rank's ``Iallreduce(int64[42], MAX)`` carries while ranks have joined.
 
 An announcement is ``[kind, op, dtype, root, count, row digest, digest, -digest, rank == root,
-rank, payload[8]]`` (:data:`SLOTS` int64).  The kinds are :data:`END`, :data:`ALLREDUCE`,
+rank, payload[32]]`` (:data:`SLOTS` int64).  The kinds are :data:`END`, :data:`ALLREDUCE`,
 :data:`ALLGATHER`, :data:`BCAST`, :data:`REFUSED` (an argument error every rank raises),
 :data:`CARRIED_ALLREDUCE` and :data:`CARRIED_BCAST` (the data travels in the payload),
-:data:`BLOCK` (another joinable's block of collectives: its index in the count) and :data:`ALONE`
+:data:`BLOCK` (another joinable's block of collectives: its index in the count), :data:`ALONE`
 (the only active rank's result of an operation on a kept array: its bytes in the payload, or a
-broadcast from it after the announcement when they do not fit).  Ops and
+broadcast from it after the announcement when they do not fit) and :data:`SLOT_SUM` (a small
+float SUM: each active rank's values in its own slots of the payload, summed by every rank:
+:func:`slot_words`, :func:`slot_sum`).  Ops and
 dtypes travel as codes from 1 (:data:`~tensorplay_mpi.comm._collectives.OPS`, :data:`DTYPES`).
 Small MAX, MIN, LAND and LOR allreduces travel as int64 keys in the order of their values
 (:func:`order_keys`; floats first through :func:`float_keys`, so NaN reduces the same way on
@@ -30,6 +32,7 @@ END, ALLREDUCE, ALLGATHER, BCAST, REFUSED = 1, 2, 3, 4, 5
 CARRIED_ALLREDUCE, CARRIED_BCAST = 6, 7  # the data travelled in the announcement
 BLOCK = 8  # another joinable's block of collectives (Join.announce): its index in the count
 ALONE = 9  # the only active rank's result for the kept arrays: in the payload, else a bcast
+SLOT_SUM = 10  # a small float SUM: each rank's values in its own payload slots, summed locally
 DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
     np.float16, np.float32, np.float64, np.complex64, np.complex128))
@@ -38,7 +41,7 @@ OP_OBJECTS = tuple(getattr(MPI, name) for name in OPS)
 OP_CODES = {id(op): code for code, op in enumerate(OP_OBJECTS, 1)}  # MPI.SUM, ... live forever
 FIELDS = 6  # kind, op, dtype, root, count, row digest: what the digest covers
 ROOT_IS_ME, RANK, PAYLOAD_AT = FIELDS + 2, FIELDS + 3, FIELDS + 4  # after the digests
-PAYLOAD = 8  # int64 words of data an announcement carries
+PAYLOAD = 32  # int64 words of data an announcement carries
 SLOTS = PAYLOAD_AT + PAYLOAD
 _ORDERED = {"MAX": False, "MIN": True, "LOR": False, "LAND": True}  # op: by reversed keys
 NOBODY = np.iinfo(np.int64).min  # what a joined rank announces
@@ -133,6 +136,46 @@ def order_keys(x: np.ndarray, reverse: bool) -> np.ndarray:
     return ~keys if reverse else keys
 
 
+SUM_CODE = OPS.index("SUM") + 1
+_SIGN32 = np.uint32(1 << 31)
+
+
+def sums_in_slots(x: Any, op_code: int, size: int) -> bool:
+    """Whether an allreduce of `x` travels as :data:`SLOT_SUM`: a SUM of a float32 or float64
+    host array whose values fit the payload once per rank of `size`."""
+    return (op_code == SUM_CODE and type(x) is np.ndarray and x.size * size <= PAYLOAD
+            and x.dtype in _SLOT_DTYPES)
+
+
+_SLOT_DTYPES = (np.dtype(np.float64), np.dtype(np.float32))
+
+
+def slot_words(x: np.ndarray) -> np.ndarray:
+    """`x`'s values as the int64 words of its slots, which a MAX over the ranks leaves as
+    written (the other ranks write :data:`NOBODY` there), and whose :data:`NOBODY` reads as
+    ``-0.0``, the identity of the sum: float64 bits as they are, float32 bits with the sign
+    flipped, widened without sign."""
+    flat = x.reshape(-1)
+    if x.dtype == np.float64:
+        return flat.view(np.int64)
+    return (flat.view(np.uint32) ^ _SIGN32).astype(np.int64)
+
+
+def slot_sum(announcement: np.ndarray, dtype: np.dtype, count: int, size: int) -> np.ndarray:
+    """The sum over the `size` ranks' slots of `count` values of `dtype` (a joined rank's read
+    as ``-0.0``), the same on every rank: rank ``r`` wrote words ``r * count`` on."""
+    words = announcement[PAYLOAD_AT:PAYLOAD_AT + count * size].reshape(size, count)
+    if dtype == np.float64:
+        values = words.view(np.float64)
+    else:
+        values = (words.astype(np.uint32) ^ _SIGN32).view(np.float32)
+    total = values[0].copy()  # in rank order (np.add.reduce would start from +0.0)
+    with np.errstate(all="ignore"):  # an overflow is inf, as in MPI's sum: no warning
+        for row in values[1:]:
+            total += row
+    return total
+
+
 def reversed_keys(op_code: int) -> bool:
     """Whether an allreduce of `op_code` that an announcement carries travels as reversed
     keys (MIN, LAND: so that MAX reduces them)."""
@@ -178,10 +221,10 @@ _CHECKED = FIELDS + 2  # the words that must come back unchanged when every rank
 
 
 def encode(announcement: np.ndarray, fields: tuple, rank: int,
-           payload: np.ndarray | None = None, rows: dict | None = None) -> tuple:
+           payload: np.ndarray | None = None, rows: dict | None = None, at: int = 0) -> tuple:
     """Write this active rank's announcement of the operation `fields` (kind, op, dtype code,
     root, count, row digest) into `announcement` (:data:`SLOTS` int64), with `payload`, if
-    any, at the start of the payload words (the others :data:`NOBODY`).
+    any, from payload word `at` on (the others :data:`NOBODY`).
 
     Returns what :func:`decode` checks quickly: the checked words as bytes and as a tuple;
     kept in the announcer's `rows` (a dict), they are made once per signature."""
@@ -197,7 +240,7 @@ def encode(announcement: np.ndarray, fields: tuple, rank: int,
         made = rows[key] = (row, row[:_CHECKED].tobytes(), tuple(row[:_CHECKED].tolist()))
     np.copyto(announcement, made[0])
     if payload is not None:
-        announcement[PAYLOAD_AT:PAYLOAD_AT + payload.size] = payload
+        announcement[PAYLOAD_AT + at:PAYLOAD_AT + at + payload.size] = payload
     return made
 
 
@@ -215,7 +258,7 @@ def from_payload(announcement: np.ndarray, dtype: np.dtype, count: int) -> np.nd
 _NAMES = {END: "the end of an iteration", ALLREDUCE: "allreduce", ALLGATHER: "allgather",
           BCAST: "bcast", REFUSED: "a call with a bad argument", CARRIED_ALLREDUCE: "allreduce",
           CARRIED_BCAST: "bcast", BLOCK: "a block of another joinable",
-          ALONE: "an operation on a kept array of the only active rank"}
+          ALONE: "an operation on a kept array of the only active rank", SLOT_SUM: "allreduce"}
 
 
 def describe(fields: tuple) -> str:
@@ -225,10 +268,10 @@ def describe(fields: tuple) -> str:
     name = _NAMES.get(kind, f"kind {kind}")
     if kind == REFUSED:
         return f"{name} ({KINDS[op - 1].__name__})" if 0 < op <= len(KINDS) else name
-    if kind not in (ALLREDUCE, ALLGATHER, BCAST, CARRIED_ALLREDUCE, CARRIED_BCAST):
+    if kind not in (ALLREDUCE, ALLGATHER, BCAST, CARRIED_ALLREDUCE, CARRIED_BCAST, SLOT_SUM):
         return name
     what = f"{name} of {count} {DTYPES[code - 1]}" + (" per row" if kind == ALLGATHER else "")
-    if kind in (ALLREDUCE, CARRIED_ALLREDUCE):
+    if kind in (ALLREDUCE, CARRIED_ALLREDUCE, SLOT_SUM):
         what += f" ({OPS[op - 1]}{', persistent' if kind == ALLREDUCE and rows & 1 else ''})"
     elif root != -1 or kind in (BCAST, CARRIED_BCAST):
         what += f" from root {'highest_active' if root == -1 else root}"
@@ -264,8 +307,9 @@ def decode(announcement: np.ndarray, size: int, what: str, sent: tuple | None = 
             "argument on some ranks only), or the collectives of a Join's joinables did not "
             "run in the order of its list (a collective of a joinable of yours between "
             "JoinableComm operations, say); no rank received a value from it.")
-    data = kind in (ALLREDUCE, ALLGATHER, BCAST, CARRIED_ALLREDUCE, CARRIED_BCAST, ALONE)
-    reduces = kind in (ALLREDUCE, CARRIED_ALLREDUCE)
+    data = kind in (ALLREDUCE, ALLGATHER, BCAST, CARRIED_ALLREDUCE, CARRIED_BCAST, ALONE,
+                    SLOT_SUM)
+    reduces = kind in (ALLREDUCE, CARRIED_ALLREDUCE, SLOT_SUM)
     if not ((data or kind in (END, REFUSED, BLOCK))
             and (not data or 1 <= code <= len(DTYPES))
             and 0 <= op <= (len(OPS) if reduces or kind == ALONE else len(KINDS))

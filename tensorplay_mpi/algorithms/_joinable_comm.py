@@ -1,8 +1,8 @@
 """JoinableComm: any iterative MPI loop made join-safe without writing a hook.
 
-Wire schedule.  Every operation starts with an announcement, ``Iallreduce(int64[18], MAX)``
+Wire schedule.  Every operation starts with an announcement, ``Iallreduce(int64[42], MAX)``
 of ``[kind, op, dtype, root, count, variant or row digest, digest, -digest, rank == root,
-rank, payload[8]]``; joined ranks send the int64 minimum, so every rank learns the operation,
+rank, payload[32]]``; joined ranks send the int64 minimum, so every rank learns the operation,
 the highest active rank and whether an int root is active.  ``digest`` hashes the fields
 before it: every rank checks ``max(digest) == -max(-digest)`` (all active ranks announced
 the same operation) and the digest itself (it is an announcement, not another joinable's
@@ -11,11 +11,13 @@ any data moves: a call whose kind, dtype, element count, op or root differs betw
 never returns a value, whether or not ranks have joined, inside a Join or outside.
 
 Small operations travel in the announcement itself (one collective, not two): a MAX, MIN,
-LAND or LOR allreduce of up to 8 host values, as int64 keys in the order of the values (the
-int64 minimum is MAX's identity), and a broadcast of up to 64 bytes whose root is known (an
-int, the last rank while every rank is active, or the highest active rank learnt from an
-earlier announcement with the same count of active ranks: in one Join, the same count is the
-same ranks), only the root writing its bytes.  Other operations follow their announcement:
+LAND or LOR allreduce of up to 32 host values, as int64 keys in the order of the values (the
+int64 minimum is MAX's identity), a float SUM whose values fit once per rank (each rank's in
+its own slots, summed by every rank in rank order: ``SLOT_SUM``), and a broadcast of up to 256
+bytes whose root is known (an int, the last rank while every rank is active, or the highest
+active rank learnt from an earlier announcement with the same count of active ranks: in one
+Join, the same count is the same ranks), only the root writing its bytes.  Other operations
+follow their announcement:
 
 - every rank active (the heartbeat's count ``n == size``, read after the first announcement
   so that the two overlap), and outside an enabled Join: ``allreduce`` and ``bcast`` of a host
@@ -350,9 +352,11 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         raise error
 
     def _announce(self, kind: int, op: int = 0, code: int = 0, root: int = -1, count: int = 0,
-                  rows: int = 0, payload: np.ndarray | None = None, writer: int = -1) -> tuple:
+                  rows: int = 0, payload: np.ndarray | None = None, writer: int = -1,
+                  at: int = 0) -> tuple:
         """Announce an operation, with the `payload` of every active rank (MAX-reduced), or
-        only of rank `writer`: what every rank then finds in the announcement's payload.
+        only of rank `writer`, from payload word `at` on: what every rank then finds in the
+        announcement's payload.
 
         Raises
         ------
@@ -363,7 +367,7 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         writes = payload is not None and (writer == -1 or writer == self.rank)
         fields = (kind, op, code, root, count, rows)
         sent = wire.encode(self._announcement, fields, self.rank, payload if writes else None,
-                           self._rows)
+                           self._rows, at)
         try:
             values = self._exchange_announcement(sent)
         except CollectiveMismatchError as error:
@@ -464,6 +468,10 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
                            payload=wire.order_keys(data, reverse))
             keys = self._announcement[wire.PAYLOAD_AT:wire.PAYLOAD_AT + x.size]
             data = wire.from_order_keys(keys, data.dtype, reverse)
+        elif wire.sums_in_slots(x, op_code, self.size):  # each rank's values in its slots
+            self._announce(wire.SLOT_SUM, op_code, code, count=x.size, rows=kept << 2,
+                           payload=wire.slot_words(x), at=self.rank * x.size)
+            data = wire.slot_sum(self._announcement, x.dtype, x.size, self.size)
         else:
             persistent = (wait or floats) and _fits_persistent(data)
             self._announce(wire.ALLREDUCE, op_code, code if data is x else
@@ -771,6 +779,11 @@ class _FollowAnnouncements(JoinHook):
                 if rows >> 2:
                     jc._kept.apply_carried(rows >> 2, op, code, count, bool(rows & 2),
                                            jc._announcement)
+                continue
+            if kind == wire.SLOT_SUM:
+                if rows >> 2:
+                    jc._kept.apply(rows >> 2, op, wire.slot_sum(
+                        jc._announcement, wire.DTYPES[code - 1], count, jc.size))
                 continue
             if kind == wire.CARRIED_BCAST:
                 _check_root(root, root == -1 or root_active == 1)

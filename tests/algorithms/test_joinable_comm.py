@@ -9,8 +9,9 @@ from helpers import UNEVEN
 from mpi4py import MPI
 
 from tensorplay_mpi import DataParallel, Join, JoinableComm, Work
-from tensorplay_mpi.algorithms._announcements import (float_keys, float_values, from_order_keys,
-                                                      identity, order_keys)
+from tensorplay_mpi.algorithms._announcements import (NOBODY, PAYLOAD, PAYLOAD_AT, SLOTS,
+                                                      float_keys, float_values, from_order_keys,
+                                                      identity, order_keys, slot_sum, slot_words)
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
 NUMPY_OPS = {"SUM": np.add, "PROD": np.multiply, "MAX": np.maximum, "MIN": np.minimum,
@@ -185,6 +186,68 @@ def test_keys_that_announcements_carry_keep_the_order_of_the_values(dtype):
             carried = from_order_keys(np.maximum(order_keys(a, reverse), order_keys(b, reverse)),
                                       dtype, reverse)
         assert carried.dtype == dtype and carried.tobytes() == reduce(a, b).tobytes(), reduce
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_sums_in_slots_are_the_sums_of_the_values_bit_for_bit(dtype):
+    """Each rank's values in its own slots of the payload, MAX-reduced (a joined rank writes
+    NOBODY everywhere), then summed in rank order: bit for bit NumPy's sums, signed zeros,
+    infinities and NaN included, a joined rank's slots adding nothing."""
+    info = np.finfo(dtype)
+    special = np.array([-0.0, 0.0, -0.0, 1.5, -info.tiny, info.max, -np.inf, np.nan], dtype)
+    rng = np.random.default_rng(1)
+    ranks = [special, rng.permutation(special), rng.normal(size=8).astype(dtype), special]
+    for active in ([0, 1], [0, 1, 2, 3], [1, 3], [2], [0], [0, 3]):  # of 4; the others joined
+        rows = []
+        for r in range(4):
+            row = np.full(SLOTS, NOBODY, np.int64)
+            if r in active:
+                row[PAYLOAD_AT + r * 8:PAYLOAD_AT + (r + 1) * 8] = slot_words(ranks[r])
+            rows.append(row)
+        got = slot_sum(np.maximum.reduce(rows), np.dtype(dtype), 8, 4)
+        expected = ranks[active[0]].copy()
+        with np.errstate(over="ignore", invalid="ignore"):
+            for r in active[1:]:
+                expected = expected + ranks[r]
+        assert got.dtype == dtype and got.tobytes() == expected.tobytes(), (active, got)
+    assert 4 * 8 <= PAYLOAD
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", ["even", "rank0_zero", "one_straggler"])
+@pytest.mark.parametrize("count", [1, 3, 17])  # 17: in slots at 1 rank only (32 words)
+def test_float_sums_are_the_same_on_every_rank_and_the_sum_in_rank_order(comm, pattern, count):
+    """Floats that do not sum exactly (the small sums travel in the announcement's slots):
+    every rank, joined ones through a kept array, holds the same bits, those of the sum over
+    the active ranks' values in rank order."""
+    inputs = inputs_of(pattern, comm.size)
+    jc = JoinableComm(comm)
+    kept = {dtype: jc.keep(np.zeros(count, dtype)) for dtype in ("float32", "float64")}
+
+    def values(rank, t, dtype):
+        return np.random.default_rng([rank, t, count]).normal(size=count).astype(dtype)
+
+    got = []
+    with Join([jc]):
+        for t in range(inputs[comm.rank]):
+            jc.begin_iteration()
+            got.append([jc.allreduce(values(comm.rank, t, d), out=kept[d]).copy()
+                        for d in kept])
+    bad = []
+    for t, results in enumerate(got):
+        for dtype, result in zip(kept, results):
+            ranks = active(inputs, t)
+            expected = values(ranks[0], t, dtype)
+            for r in ranks[1:]:
+                expected = expected + values(r, t, dtype)
+            in_slots = count * comm.size <= PAYLOAD  # else MPI's own order of additions
+            if (result.tobytes() != expected.tobytes() if in_slots
+                    else not np.allclose(result, expected, rtol=1e-6)):
+                bad.append(f"iteration {t} {dtype}: {result} != {expected}")
+    final = np.concatenate([kept["float32"].astype(np.float64), kept["float64"]])
+    every = comm.allgather(final.tobytes())
+    assert_all(not bad and len(set(every)) == 1,
+               "; ".join(bad[:3]) or "ranks hold different kept results")
 
 
 @pytest.mark.mpi

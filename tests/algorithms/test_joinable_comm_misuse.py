@@ -241,6 +241,7 @@ MISMATCHES = {  # rank r's call in the mismatched iteration: odd and even active
     "allgather against allreduce": lambda jc, r: (jc.allgather(np.ones((2, 4))) if r % 2
                                                   else jc.allreduce(np.ones(8))),
     "large element count": lambda jc, r: jc.allreduce(np.ones(100_000 + r % 2)),
+    "a SUM in slots against a larger one": lambda jc, r: jc.allreduce(np.ones(2 + 38 * (r % 2))),
 }
 PATHS = ["outside a Join", "every rank active", "rank 0 joined"]
 
