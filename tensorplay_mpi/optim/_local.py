@@ -135,6 +135,11 @@ class Optimizer(LinkedOptimizer, ElasticJoinable, OptimizerState):
 
     def _hyper(self, step: int) -> dict[str, Any]:
         """The hyperparameters of step number `step`, callables evaluated, validated."""
+        if len(self.param_groups) != 1:  # an appended group (torch's habit) is never ignored
+            raise ValueError(
+                f"{type(self).__name__} has one parameter group (every parameter of its "
+                f"grads), got {len(self.param_groups)} in param_groups; set hyperparameters "
+                "in param_groups[0], or make one optimizer per set of parameters")
         group = {k: v(step) if callable(v) else v for k, v in self.param_groups[0].items()}
         return self._checked(group)
 

@@ -216,6 +216,10 @@ def test_bad_hyperparameters_set_between_steps_raise_at_the_step():
     with pytest.raises(ValueError, match="lr must be >= 0, got -1.0"):
         sgd.step()
     sgd.param_groups[0]["lr"] = 0.1
+    sgd.param_groups.append({"lr": 0.5})  # a second group, as torch's add_param_group makes
+    with pytest.raises(ValueError, match="one parameter group"):
+        sgd.step()
+    sgd.param_groups.pop()
     sgd.param_groups[0]["momentum"] = 0.9
     with pytest.raises(ValueError, match="made without momentum"):
         sgd.step()
