@@ -7,7 +7,8 @@ rank, payload[32]]`` (:data:`SLOTS` int64).  The kinds are :data:`END`, :data:`A
 :data:`CARRIED_ALLREDUCE` and :data:`CARRIED_BCAST` (the data travels in the payload),
 :data:`BLOCK` (another joinable's block of collectives: its index in the count), :data:`ALONE`
 (the only active rank's result of an operation on a kept array: its bytes in the payload, or a
-broadcast from it after the announcement when they do not fit) and :data:`SLOT_SUM` (a small
+broadcast from it after the announcement when they do not fit), :data:`CATCH_UP` (its kept
+arrays whole, in broadcasts from it after the announcement) and :data:`SLOT_SUM` (a small
 float SUM: each active rank's values in its own slots of the payload, summed by every rank:
 :func:`slot_words`, :func:`slot_sum`).  Ops and
 dtypes travel as codes from 1 (:data:`~tensorplay_mpi.comm._collectives.OPS`, :data:`DTYPES`).
@@ -33,6 +34,7 @@ CARRIED_ALLREDUCE, CARRIED_BCAST = 6, 7  # the data travelled in the announcemen
 BLOCK = 8  # another joinable's block of collectives (Join.announce): its index in the count
 ALONE = 9  # the only active rank's result for the kept arrays: in the payload, else a bcast
 SLOT_SUM = 10  # a small float SUM: each rank's values in its own payload slots, summed locally
+CATCH_UP = 11  # the only active rank's kept arrays, whole: broadcasts from it follow
 DTYPES = tuple(np.dtype(t) for t in (
     np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
     np.float16, np.float32, np.float64, np.complex64, np.complex128))
@@ -258,7 +260,8 @@ def from_payload(announcement: np.ndarray, dtype: np.dtype, count: int) -> np.nd
 _NAMES = {END: "the end of an iteration", ALLREDUCE: "allreduce", ALLGATHER: "allgather",
           BCAST: "bcast", REFUSED: "a call with a bad argument", CARRIED_ALLREDUCE: "allreduce",
           CARRIED_BCAST: "bcast", BLOCK: "a block of another joinable",
-          ALONE: "an operation on a kept array of the only active rank", SLOT_SUM: "allreduce"}
+          ALONE: "an operation on a kept array of the only active rank", SLOT_SUM: "allreduce",
+          CATCH_UP: "the kept arrays of the only active rank"}
 
 
 def describe(fields: tuple) -> str:
@@ -310,7 +313,7 @@ def decode(announcement: np.ndarray, size: int, what: str, sent: tuple | None = 
     data = kind in (ALLREDUCE, ALLGATHER, BCAST, CARRIED_ALLREDUCE, CARRIED_BCAST, ALONE,
                     SLOT_SUM)
     reduces = kind in (ALLREDUCE, CARRIED_ALLREDUCE, SLOT_SUM)
-    if not ((data or kind in (END, REFUSED, BLOCK))
+    if not ((data or kind in (END, REFUSED, BLOCK, CATCH_UP))
             and (not data or 1 <= code <= len(DTYPES))
             and 0 <= op <= (len(OPS) if reduces or kind == ALONE else len(KINDS))
             and (not (reduces or kind == REFUSED) or op > 0) and -1 <= root < size

@@ -31,8 +31,10 @@ follow their announcement:
   iterations, or a loop whose collectives change, works;
 - ``n == 1`` read in this iteration or an earlier one of the Join (the count never grows): no
   collective at all, the result being the input with the joined ranks' identities, but for a
-  result a kept array receives, announced as ``ALONE`` (in the payload, or followed by an
-  ``Ibcast`` from this rank).
+  result a kept array receives in an elastic Join, announced as ``ALONE`` (in the payload, or
+  followed by an ``Ibcast`` from this rank); in another Join the kept arrays are sent whole
+  (``CATCH_UP``) where joined ranks read them: before ``on_save``, before a refusal, and in the
+  hook's ``post_hook``.
 
 Arguments are checked on every rank before any collective, the same way in both modes.  Inputs
 in any layout are sent in C order (copied when they are not C-contiguous); an ``out`` that is
@@ -131,6 +133,7 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         self._active = self.size  # active ranks in the current iteration, once read
         self._highest: tuple = (None, 0, -1)  # (Join, active ranks, the highest active rank)
         self._alone_in: Join | None = None  # the Join where an iteration counted one active rank
+        self._behind = False  # the only active rank applied kept results not yet sent (_catch_up)
         self._iteration = 0
         self._where = "iteration 0"
         self._persistent = self._persistent_everywhere()
@@ -151,7 +154,7 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         self._row_headers = np.empty((self.size, 2), np.int64)
         self._owner, self._others, self._announcing, self._works = None, [], None, []
         self._active, self._highest, self._alone_in = self.size, (None, 0, -1), None
-        self._rows = {}
+        self._rows, self._behind = {}, False
         self._persistent = self._persistent_everywhere()
 
     @property
@@ -269,6 +272,8 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
             self._wait_all(self._works)
             self._start_operation()
             if self._ranks_joined():
+                if self._behind and join.save_due:  # on_save follows: every rank current
+                    self._catch_up()
                 self._announce(wire.END)
         self._works.clear()
         self._owner = self._announcing = None
@@ -326,13 +331,32 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
 
     def _announce_alone(self, x: Any, op: int, code: int, kept: int) -> None:
         """The only active rank's result `x` of an operation on a kept array (`op` 0: a
-        broadcast), for the joined ranks: in the announcement's payload when it fits, else a
-        broadcast from this rank after it."""
+        broadcast), for the joined ranks: in an elastic Join, in the announcement's payload when
+        it fits, else a broadcast from this rank after it, so that nothing applied is lost with
+        this rank; in another Join, not now: the kept arrays are sent whole when a joined rank
+        reads them (:meth:`_catch_up`)."""
+        if self._owner is not None and not self._owner.elastic:
+            self._behind = True
+            return
         small = x.nbytes <= 8 * wire.PAYLOAD
         words = wire.as_payload(x) if small else None
         self._announce(wire.ALONE, op, code, count=x.size, rows=kept << 2, payload=words)
         if not small:
             self._wait(ibcast(self.comm, x, self.rank, f"kept result ({self._where})"))
+
+    def _catch_up(self) -> None:
+        """Send the kept arrays whole, and their count of results, to the joined ranks (from
+        this rank, the only active one, which applied results they have not): before
+        ``on_save``, before a refused call raises.  When the Join ends, the hook's post_hook
+        does it."""
+        self._announce(wire.CATCH_UP)
+        self._send_kept(self.rank)
+
+    def _send_kept(self, root: int) -> None:
+        """The kept arrays and their count of results, broadcast from `root`."""
+        self._wait_all([ibcast(self.comm, array, root, f"kept array {i} ({self._where})")
+                        for i, array in enumerate([*self._kept.arrays, self._kept.updates])])
+        self._behind = False
 
     def _own(self, work: Work) -> Work:
         if self._owner is not None:  # completed at the end of the iteration
@@ -346,6 +370,8 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         same kind where they refused as well, else :class:`CollectiveMismatchError`)."""
         self._start_operation()
         try:
+            if self._behind:  # the joined ranks raise too: with the kept arrays current
+                self._catch_up()
             self._announce(wire.REFUSED, kind_code(error))  # the code in the op field
         except CollectiveMismatchError as mismatch:
             raise error from mismatch
@@ -763,6 +789,19 @@ class _FollowAnnouncements(JoinHook):
             jc._wait(ibcast(jc.comm, values, alone, f"kept result ({jc._where})"))
         jc._kept.apply(rows >> 2, op, values)
 
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Once every rank has joined, outside an elastic Join: the kept arrays of the last
+        active rank, if it applied results it did not send (:meth:`JoinableComm._catch_up`),
+        reach every rank (an ``Iallreduce`` of its rank, then its broadcasts)."""
+        jc = self.jc
+        join = jc.join_context
+        if not jc._kept or join is None or join.elastic:
+            return
+        sender = np.array([jc.rank if jc._behind else -1], np.int64)
+        jc._wait(iallreduce(jc.comm, MPI.IN_PLACE, sender, MPI.MAX, "kept arrays' sender"))
+        if sender[0] >= 0:
+            jc._send_kept(int(sender[0]))
+
     def main_hook(self) -> None:
         """Shadow one active iteration: follow the announcements until END."""
         jc = self.jc
@@ -794,6 +833,9 @@ class _FollowAnnouncements(JoinHook):
                 continue
             if kind == wire.ALONE:  # a result of the only active rank, for a kept array
                 self._apply_alone(op, code, count, rows, highest)
+                continue
+            if kind == wire.CATCH_UP:  # the only active rank's kept arrays, whole
+                jc._send_kept(highest)
                 continue
             if kind == wire.REFUSED:
                 raise KINDS[op - 1](

@@ -9,7 +9,8 @@ import pytest
 from helpers import UNEVEN
 from mpi4py import MPI
 
-from tensorplay_mpi import SGD, CollectiveMismatchError, DataParallel, Join, JoinableComm
+from tensorplay_mpi import (SGD, CollectiveMismatchError, DataParallel, Join, JoinableComm,
+                            clear_save, request_save)
 from tensorplay_mpi.algorithms import _elastic as elastic
 from tensorplay_mpi.testing import assert_all, inputs_of, raises_everywhere
 
@@ -75,6 +76,60 @@ def test_every_rank_holds_the_final_kept_state_after_uneven_inputs(comm, pattern
     assert_all(ok, f"rank {comm.rank} ({inputs[comm.rank]} of {inputs} iterations): kept "
                    f"arrays {wrong} differ from NumPy's; {jc.elastic_progress()} results "
                    f"applied, {applied} expected")
+
+
+def summed_until(inputs, iterations, n=3):
+    """NumPy's running sum of the active ranks' values after `iterations` iterations."""
+    total = np.zeros(n)
+    for t in range(iterations):
+        total += sum(values(r, t, n) for r, count in enumerate(inputs) if count > t)
+    return total
+
+
+@pytest.mark.mpi(min_size=2)
+def test_joined_ranks_hold_the_last_ranks_kept_state_in_on_save(comm):
+    """Outside an elastic Join the last active rank sends its kept results when joined ranks
+    read them: a save it requests while alone finds every rank's kept array equal to NumPy's
+    sum up to the save's iteration, and the Join's end again."""
+    inputs = [2] * (comm.size - 1) + [9]  # the last rank alone from iteration 2 on
+    jc = JoinableComm(comm)
+    total = jc.keep(np.zeros(3))
+    saved = []
+
+    def on_save():
+        saved.append((join.iterations, total.copy()))
+
+    try:
+        with Join([jc], on_save=on_save) as join:
+            for t in range(inputs[comm.rank]):
+                jc.begin_iteration()
+                jc.allreduce(values(comm.rank, t, 3), into=total)
+                if t == 4:
+                    request_save("test")
+    finally:
+        clear_save()
+    ok = (len(saved) == 1 and np.array_equal(saved[0][1], summed_until(inputs, saved[0][0]))
+          and np.array_equal(total, summed_until(inputs, 9)) and jc.elastic_progress() == 9)
+    assert_all(ok, f"rank {comm.rank}: on_save saw {saved}, the Join ended with {total} "
+                   f"({jc.elastic_progress()} results applied)")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_call_the_last_rank_refuses_finds_every_rank_current(comm):
+    """A bad argument on the last active rank raises the same kind on every rank, and the
+    joined ranks' kept array holds the results it applied before."""
+    inputs = [1] * (comm.size - 1) + [6]
+    jc = JoinableComm(comm)
+    total = jc.keep(np.zeros(3))
+    with raises_everywhere(TypeError):
+        with Join([jc]):
+            for t in range(inputs[comm.rank]):
+                jc.begin_iteration()
+                jc.allreduce(values(comm.rank, t, 3), into=total)
+                if t == 4:
+                    jc.bcast(np.zeros(2), root="nobody")
+    expected = summed_until(inputs, 5)
+    assert_all(np.array_equal(total, expected), f"rank {comm.rank}: {total} != {expected}")
 
 
 @pytest.mark.mpi
