@@ -31,8 +31,9 @@ follow their announcement:
   iterations, or a loop whose collectives change, works;
 - ``n == 1`` read in this iteration or an earlier one of the Join (the count never grows): no
   collective at all, the result being the input with the joined ranks' identities, but for a
-  result a kept array receives in an elastic Join, announced as ``ALONE`` (in the payload, or
-  followed by an ``Ibcast`` from this rank); in another Join the kept arrays are sent whole
+  result a kept array receives in an elastic Join or one with other joinables, announced as
+  ``ALONE`` (in the payload, or followed by an ``Ibcast`` from this rank); in ``Join([jc])``
+  the kept arrays are sent whole
   (``CATCH_UP``) where joined ranks read them: before ``on_save``, before a refusal, and in the
   hook's ``post_hook``.
 
@@ -333,9 +334,9 @@ class JoinableComm(GuardedJoinable, ElasticJoinable):
         """The only active rank's result `x` of an operation on a kept array (`op` 0: a
         broadcast), for the joined ranks: in an elastic Join, in the announcement's payload when
         it fits, else a broadcast from this rank after it, so that nothing applied is lost with
-        this rank; in another Join, not now: the kept arrays are sent whole when a joined rank
-        reads them (:meth:`_catch_up`)."""
-        if self._owner is not None and not self._owner.elastic:
+        this rank; in a Join of this JoinableComm alone, not now: the kept arrays are sent whole
+        when a joined rank reads them (:meth:`_catch_up`)."""
+        if _catches_up(self._owner):
             self._behind = True
             return
         small = x.nbytes <= 8 * wire.PAYLOAD
@@ -753,6 +754,14 @@ def _variant(persistent: bool, floats: bool, kept: int) -> int:
     return int(persistent) | int(floats) << 1 | kept << 2
 
 
+def _catches_up(join: Join | None) -> bool:
+    """Whether the last active rank of `join` sends its kept arrays whole where joined ranks
+    read them (:meth:`JoinableComm._catch_up`) instead of each result: a Join of the
+    JoinableComm alone (no other joinable runs code of its own on joined ranks, such as a
+    DataParallel's ``update=``) that is not elastic (where a lost last rank would lose them)."""
+    return join is not None and not join.elastic and len(join.joinables) == 1
+
+
 def _check_root(root: int, active: bool) -> None:
     if not active:
         raise ValueError(f"bcast root {root} is not an active rank (it has joined, or is no "
@@ -790,12 +799,12 @@ class _FollowAnnouncements(JoinHook):
         jc._kept.apply(rows >> 2, op, values)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Once every rank has joined, outside an elastic Join: the kept arrays of the last
-        active rank, if it applied results it did not send (:meth:`JoinableComm._catch_up`),
+        """Once every rank has joined a Join where the last active rank sends its kept arrays
+        whole (:func:`_catches_up`): its kept arrays, if it applied results it did not send,
         reach every rank (an ``Iallreduce`` of its rank, then its broadcasts)."""
         jc = self.jc
         join = jc.join_context
-        if not jc._kept or join is None or join.elastic:
+        if not jc._kept or not _catches_up(join):
             return
         sender = np.array([jc.rank if jc._behind else -1], np.int64)
         jc._wait(iallreduce(jc.comm, MPI.IN_PLACE, sender, MPI.MAX, "kept arrays' sender"))

@@ -322,3 +322,23 @@ def test_kept_arrays_beside_a_data_parallel_stay_current_on_joined_ranks(comm, p
     assert_all(ok, f"rank {comm.rank} ({inputs[comm.rank]} of {inputs}): total {total} "
                    f"(NumPy {expected_total}), latest {latest} (NumPy {expected_latest}), "
                    f"gradients wrong in iterations {wrong_grads}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_update_on_joined_ranks_reads_the_kept_arrays_current(comm):
+    """Join([dp, jc]) with the last rank alone for four steps: DataParallel's ``update=`` runs
+    on joined ranks too, and reads the kept total there as the last rank has it (each result
+    is announced in such a Join, not sent at the end)."""
+    inputs = [1] * (comm.size - 1) + [5]
+    jc = JoinableComm(comm)
+    total = jc.keep(np.zeros(2))
+    read = []
+    dp = DataParallel([np.zeros(2)], comm=comm, update=lambda: read.append(total.copy()))
+    with Join([dp, jc]):
+        for t in range(inputs[comm.rank]):
+            with dp.step():
+                dp.grads[0][...] = 1.0
+            jc.allreduce(values(comm.rank, t, 2), into=total)
+    expected = [summed_until(inputs, t, 2) for t in range(5)]  # read at step t: t results
+    ok = len(read) == 5 and all(np.array_equal(a, b) for a, b in zip(read, expected))
+    assert_all(ok, f"rank {comm.rank}: update= read {read}, NumPy {expected}")
