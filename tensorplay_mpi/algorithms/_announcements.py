@@ -59,6 +59,8 @@ def identity(op: MPI.Op, dtype: Any) -> Any:
     """
     dtype = np.dtype(dtype)
     name = checked_op_name(op)
+    if name == "SUM" and dtype.kind in "fc":  # -0.0, not +0.0: the sum of -0.0s stays -0.0
+        return dtype.type(complex(-0.0, -0.0) if dtype.kind == "c" else -0.0)
     if name in ("SUM", "LOR", "LXOR", "BOR", "BXOR"):
         return dtype.type(0)
     if name in ("PROD", "LAND"):

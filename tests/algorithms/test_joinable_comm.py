@@ -250,6 +250,21 @@ def test_float_sums_are_the_same_on_every_rank_and_the_sum_in_rank_order(comm, p
                "; ".join(bad[:3]) or "ranks hold different kept results")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_sum_of_negative_zeros_is_negative_zero_on_every_path(comm):
+    """-0.0 is the sum's identity: a joined rank contributes it, so a sum of -0.0 over the
+    active ranks is -0.0 whether it travels in the announcement's slots or in an allreduce."""
+    counts = (PAYLOAD // comm.size, PAYLOAD // comm.size + 1)  # in slots, then not
+    jc = JoinableComm(comm)
+    signs = []
+    with Join([jc]):
+        for _ in range(0 if comm.rank == 0 else 1):  # rank 0 joined from the start
+            jc.begin_iteration()
+            signs += [bool(np.signbit(jc.allreduce(np.full(n, -0.0, dtype))).all())
+                      for n in counts for dtype in (np.float32, np.float64)]
+    assert_all(all(signs), f"rank {comm.rank}: signs {signs} (counts {counts})")
+
+
 @pytest.mark.mpi
 def test_results_can_go_into_given_buffers(comm):
     jc = JoinableComm(comm)
