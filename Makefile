@@ -266,6 +266,9 @@ bench: venv  ## every benchmark: JSON and a plot in benchmarks/results/
 	  --out benchmarks/results/registry-2-ranks.json
 	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_elastic.py \
 	  --out benchmarks/results/elastic-2-ranks.json
+	@if [ -x .venv-ompi/bin/mpiexec ]; then .venv-ompi/bin/python benchmarks/bench_recovery.py \
+	  --out benchmarks/results/recovery.json; else echo "== recovery: skipped (no .venv-ompi: \
+	  make test-elastic makes it)"; fi
 	$(MAKE) --no-print-directory bench-threads
 	@echo "== the round's ratios (benchmarks/summary.py)"
 	@$(PY) benchmarks/summary.py benchmarks/results
