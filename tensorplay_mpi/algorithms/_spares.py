@@ -7,24 +7,27 @@ on the training one, then waits (:meth:`SparePool.wait`): a receive from the poo
 rank (a trainer), tested every :data:`POLL_S` with a sleep in between, so that it does not
 burn a core.  It ends in one of two ways:
 
-- the job ends: the trainers' :meth:`SparePool.close` sends each spare a message, and the
-  wait returns ``False``;
+- the job ends: the trainers' :meth:`SparePool.close` ends the wait, which returns
+  ``False`` (under fault tolerance they revoke and shrink the pool as below, and gather the
+  end; without it, the pool's first rank sends each spare a message);
 - a trainer was lost (an elastic Join raised :class:`~tensorplay_mpi.errors.RanksLostError`
   on the survivors): the survivors' :meth:`SparePool.refill` revokes the pool's communicator
-  (the revocation ends the spares' receives), every live process of the pool agrees and
-  shrinks it (:func:`~tensorplay_mpi.comm._shrink.shrink`) and gathers who trains at which
-  place.  The lowest-ranked spares take the lost ranks' places (the lowest place first,
-  from the pool's lowest spare on); trainers and recruits
-  split a training communicator off the pool, ranked by place, so the width is the width
-  before the loss when enough spares were left.  Every joinable moves onto it, a recruit
-  adopts the trainers' replicated state (the elastic settle's broadcast, rooted at a
-  trainer), and every Sampler re-splits the epoch's unconsumed samples over the restored
-  width (:meth:`~tensorplay_mpi.data.Sampler.admit`).  A recruit's wait returns ``True``.
+  (the revocation ends the spares' receives; a lost first rank of the pool ends them too),
+  every live process of the pool agrees and shrinks it
+  (:func:`~tensorplay_mpi.comm._shrink.shrink`; Open MPI's ``MPI_Comm_ishrink`` failed with
+  ``MPI_ERR_INTERN`` here) and gathers who trains at which place.  The lowest-ranked spares
+  take the lost ranks' places, the lowest place first; trainers and recruits split a
+  training communicator off the pool, ranked by place, so the width is the width before the
+  loss while spares are left.  Every joinable moves onto it, a recruit adopts the trainers'
+  replicated state (the elastic settle's broadcast, rooted at a trainer), and every Sampler
+  re-splits the epoch's unconsumed samples over the restored width
+  (:meth:`~tensorplay_mpi.data.Sampler.admit`).  A recruit's wait returns ``True``.
 
 A lost spare changes nothing for the trainers: they learn of it only at their next
-:meth:`~SparePool.refill` (the shrink leaves it out) and :meth:`~SparePool.close` (its
-message is dropped).  With no spare left, :meth:`~SparePool.refill` returns the survivors'
-communicator, as an elastic Join without spares goes on.
+:meth:`~SparePool.refill` or :meth:`~SparePool.close` (the pool's shrink leaves it out).  With
+no spare left, :meth:`~SparePool.refill` returns the survivors' communicator, as an elastic
+Join without spares goes on.  A process lost during a recruitment itself (in the pool's
+gather, the split, the state's broadcast) is not recovered from: the job ends with an error.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ POLL_S = 0.01
 """How long a waiting spare sleeps between two tests of its receive (and a rank between two
 tests of the pool's other requests): it costs no core, and answers within this much."""
 
-_TAG = 7151  # the close message's tag, on the pool's own communicator
-_CLOSE = 1
+_TAG = 7151  # the close message's tag (without fault tolerance), on the pool's own
+_WAITING, _CLOSING = -1, -2  # a spare's place, and the trainers' at the end
 
 
 class SparePool:
@@ -134,7 +137,7 @@ class SparePool:
                                "recruited already)")
         if joinables:
             check_elastic(joinables)
-        while self.spare:
+        while self.spare and not self._closed:
             message = np.zeros(1, np.int64)
             request = self._pool.Irecv(message, source=0, tag=_TAG)
             try:
@@ -145,9 +148,8 @@ class SparePool:
                     raise
                 self._recruit(None, joinables, sampler)
                 continue
-            if message[0] == _CLOSE:
-                return False
-        return True
+            self._closed = True  # the close message (without fault tolerance)
+        return not self.spare
 
     # -- the trainers ------------------------------------------------------------------------
 
@@ -172,14 +174,24 @@ class SparePool:
 
     def close(self) -> None:
         """End the job's spares that were never recruited: each one's :meth:`wait` returns
-        ``False``.  Every trainer calls it once, after training (the first rank of the pool
-        sends the messages); a spare's call does nothing.  A lost spare is skipped."""
+        ``False``.  Every trainer calls it once, after training; a spare's call does nothing,
+        and so does a second one.  Under fault tolerance the pool is revoked and shrunk as for
+        a recruitment (a lost spare, or a lost first rank of the pool, is left out), else the
+        pool's first rank sends each spare a message.
+
+        Collective over the trainers and every live spare.
+        """
         if self._closed or self.spare:
             return
         self._closed = True
+        if not self.spares:
+            return
+        if fault_tolerance()[0]:
+            self._recruit(None, (), None, closing=True)
+            return
         if self._pool.Get_rank() != 0:
             return
-        message = np.array([_CLOSE], np.int64)
+        message = np.ones(1, np.int64)
         for rank in self._spare_ranks:
             try:
                 self._pool.Isend(message, rank, _TAG).Wait()
@@ -190,19 +202,23 @@ class SparePool:
     # -- both: the recruitment ---------------------------------------------------------------
 
     def _recruit(self, lost: RanksLostError | None, joinables: Sequence[Any],
-                 sampler: Any) -> None:
+                 sampler: Any, closing: bool = False) -> None:
         """Revoke and shrink the pool, gather each process's place (a trainer's: its rank
-        before the loss, and that width; a spare: none), and bring the lowest spares in at
-        the free places (collective over every live process of the pool)."""
+        before the loss, and that width; a spare: none; a trainer `closing`: the end), and
+        bring the lowest spares in at the free places, or end the spares (collective over
+        every live process of the pool)."""
         if not fault_tolerance()[0]:
             raise RuntimeError("SparePool: a spare can only be recruited under an MPI with "
                                "fault tolerance (Open MPI 5 under mpiexec --with-ft ulfm)")
         pool, _ = shrink(self._pool, settings().grace)  # Open MPI's Ishrink: MPI_ERR_INTERN
         self._pool = pool
-        mine = np.array([-1, -1] if lost is None else [lost.old_rank, lost.old_size],
-                        np.int64)
+        mine = np.array([_CLOSING, 0] if closing else [_WAITING, 0] if lost is None else
+                        [lost.old_rank, lost.old_size], np.int64)
         rows = np.empty((pool.Get_size(), 2), np.int64)
         self._wait(pool.Iallgather(mine, rows), "the pool's places")
+        if (rows[:, 0] == _CLOSING).any() or not (rows[:, 0] >= 0).any():
+            self._closed = True  # the end (or no trainer is left)
+            return
         held = {int(place): i for i, (place, _) in enumerate(rows) if place >= 0}
         width = int(rows[:, 1].max())
         free = [p for p in range(width) if p not in held]

@@ -64,10 +64,12 @@ CASES = [  # (ranks, arguments of elastic_run.py after the seed)
 
 # Hot spares (elastic_spares.py, against the same replay): a lost trainer whose place a spare
 # takes (the width restored), a lost spare (nothing changes), more losses than spares (a
-# replacement, then a shrink), a recruit lost and replaced by the second spare.
+# replacement, then a shrink), a recruit lost and replaced by the second spare, a spare lost
+# and then a trainer (the pool's shrink finds no spare).
 SPARE_CASES = [  # (processes, arguments of elastic_spares.py: spares, final width, victims)
     (4, ["1", "3", "1@5:top"]), (3, ["1", "2", "0@7:update"]),  # a spare takes the place
     (4, ["1", "3", "3@4:spare"]),  # a lost spare: nothing changes for the trainers
+    (4, ["1", "2", "3@3:spare", "1@10:top"]),  # then a lost trainer: no spare left, a shrink
     (4, ["1", "2", "0@3:top", "2@12:backward"]),  # more losses than spares: then a shrink
     (4, ["2", "2", "0@4:top", "2@15:top"]),  # the recruit lost, the second spare comes in
 ]
