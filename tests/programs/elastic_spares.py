@@ -1,7 +1,7 @@
 """Training with hot spares that loses ranks (``make test-elastic``), checked against a replay.
 
     mpiexec --with-ft ulfm -n N python tests/programs/elastic_spares.py SPARES WIDTH
-        [V@STEP:WHERE ...]
+        [V@STEP:WHERE ...] [--hosts]
 
 ``elastic_run.py``'s training (a DataParallel over the sampler's log and a least-squares
 ``w``, SGD in an elastic Join, one Join per epoch, uneven shards), in a
@@ -12,7 +12,8 @@ state and the Sampler re-splits the epoch's unconsumed samples over the restored
 
 Victims as in ``elastic_run.py`` (world ranks), and ``V@STEP:spare``: the process of world
 rank V, a waiting spare, is SIGKILLed by training rank 0 once its optimizer has applied STEP
-updates.  WIDTH is the training width expected at the end.
+updates.  WIDTH is the training width expected at the end.  With ``--hosts`` (``make
+test-multihost``) the victims must be every process of one host, and the survivors on others.
 
 Every process left prints ``RESULT rank=R ok ...`` or ``RESULT rank=R WRONG ...``: a trainer
 (a recruit included) after ``elastic_run.py``'s checks (identical replicas, every sample
@@ -23,6 +24,7 @@ closed the pool.
 
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -45,7 +47,10 @@ def main():
     spares, width = int(sys.argv[1]), int(sys.argv[2])
     world = MPI.COMM_WORLD
     pids = world.allgather(os.getpid())  # a spare's, for the trainer that kills it
-    victims = plan(sys.argv[3:], world.size, SEED, ("top",))
+    hosts = world.allgather(socket.gethostname())
+    victims = plan([a for a in sys.argv[3:] if a != "--hosts"], world.size, SEED, ("top",))
+    if "--hosts" in sys.argv and world.rank == 0:
+        print(f"HOSTS {hosts} victims {sorted(victims)}", flush=True)
     killed = {v for v, (_, where, _) in victims.items() if where == "spare"}
     data = np.random.default_rng(1234)
     x, y = data.normal(size=(SAMPLES, DIM)), data.normal(size=SAMPLES)
@@ -98,6 +103,11 @@ def main():
     if comm.size != width:
         print(f"RESULT rank={world.rank} WRONG width {comm.size}, expected {width}",
               flush=True)
+    lost_hosts = {hosts[v] for v in victims}
+    if "--hosts" in sys.argv and (len(lost_hosts) != 1 or hosts.count(hosts[min(victims)])
+                                  != len(victims)):
+        print(f"RESULT rank={world.rank} WRONG the victims {sorted(victims)} are not every "
+              f"process of one host: {hosts}", flush=True)
 
 
 def joined(comm, world, history):
