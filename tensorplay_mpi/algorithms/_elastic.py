@@ -276,6 +276,7 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float,
     mpi4py.MPI.Exception
         When a rank is lost in the settle's collectives (nothing changed).
     """
+    step = None  # with `root` given: that rank's, once adopted
     if root is None:
         step, root = _settled_step(comm, progress(joinables) or 0, timeout)
     owners = companions(joinables)
@@ -314,7 +315,7 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float,
         agree(lambda row, every: iallgather(comm, row, every, "elastic settle: loads"),
                  comm.Get_rank(), comm.Get_size(), "the elastic settle's load_state_dict() of "
                  "update='s owner", timeout, failure)
-    return progress(joinables) or 0, root
+    return (progress(joinables) or 0) if step is None else step, root
 
 
 def _broadcast_state_dicts(comm: MPI.Intracomm, owners: Sequence[Any], root: int,

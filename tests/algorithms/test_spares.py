@@ -7,6 +7,7 @@ import pytest
 
 from tensorplay_mpi import SGD, DataParallel, Join
 from tensorplay_mpi.algorithms import SparePool
+from tensorplay_mpi.algorithms import _elastic as elastic
 from tensorplay_mpi.data import Sampler
 from tensorplay_mpi.testing import assert_all, raises_everywhere
 
@@ -59,3 +60,19 @@ def test_a_pool_without_a_trainer_and_misuse_are_refused(comm):
             pool.wait([])
         pool.close()
     assert_all(True)
+
+
+@pytest.mark.mpi
+def test_the_settle_with_a_root_gives_every_rank_that_rank_s_state(comm):
+    """A recruit's adoption: the root's parameters and step count, even where it applied fewer
+    updates than another rank (the elastic settle alone takes the most)."""
+    params = [np.zeros(5)]
+    dp = DataParallel(params, comm=comm)
+    opt = SGD(params, dp.grads, lr=1.0)
+    root = comm.size - 1
+    params[0][...] = np.arange(5) + 10.0 * comm.rank  # replicas that differ, as a recruit's
+    opt.steps = 7 if comm.rank == root else 9 + comm.rank
+    step, used = elastic.settle(comm, [dp, opt], 60.0, root=root)
+    expected = np.arange(5) + 10.0 * root
+    assert_all((step, used, opt.steps) == (7, root, 7) and np.array_equal(params[0], expected),
+               f"step {step} from {used}, steps {opt.steps}, params {params[0]}")
