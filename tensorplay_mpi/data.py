@@ -397,6 +397,36 @@ class Sampler:
         self.cursor, self._base = 0, None
         return consumed
 
+    def admit(self, rank: int, size: int, state: np.ndarray) -> None:
+        """Go on at `size` ranks as `rank`: new ranks (spares recruited after a loss,
+        :class:`~tensorplay_mpi.algorithms.SparePool`) take places among the ranks of the
+        current split, and the samples of the epoch that no rank consumed are re-split over
+        all of them, as in a resize; local.
+
+        `state` is :meth:`state` of a rank of the current split where it begins (right after
+        :meth:`shrink`: no rank has consumed a batch of it), the same on every rank, a new
+        one included (its sampler made with the same arguments, of any epoch).
+
+        Raises
+        ------
+        ValueError
+            If `rank` is not in ``[0, size)``, `state` is not a state of this data set or its
+            split has begun on this rank (its cursor is not 0), or the sampler splits by
+            `weights` (a new rank's share is unknown).
+        """
+        flat = np.asarray(state, np.int64)
+        if not 0 <= rank < size:
+            raise ValueError(f"need 0 <= rank < size, got rank {rank}, size {size}")
+        if self.weights is not None or _weighted(flat):
+            raise ValueError("Sampler.admit: a sampler that splits by weights cannot take new "
+                             "ranks (their shares are unknown); split by skew with spares")
+        if flat.size < 6 or (int(flat[3]) == self.epoch and self.cursor):
+            raise ValueError(f"Sampler.admit: the split has begun on this rank (cursor "
+                             f"{self.cursor}) or {flat[:6].tolist()} is no sampler state; "
+                             "admit ranks right after shrink()")
+        self.rank, self.size = int(rank), int(size)
+        self.resume(int(flat[3]), [0] * int(flat[4]), flat)
+
     def _decode(self, state: np.ndarray, epoch: int, saved_size: int
                 ) -> list[tuple[int, list[int]]]:
         flat = state.astype(np.int64).tolist()
@@ -423,6 +453,16 @@ class Sampler:
                 np.float64).tolist()
             at += 1 + n
         return splits
+
+
+def _weighted(state: np.ndarray) -> bool:
+    """Whether a :meth:`Sampler.state` holds the weights of a split."""
+    if state.size < 6 or state[0] < 2:
+        return False
+    at = 6
+    for _ in range(int(state[5])):
+        at += 1 + int(state[at])
+    return at < state.size and int(state[at]) > 0
 
 
 _LOADERS = ("torch.utils.data",)  # modules whose loaders take batches ahead of the loop

@@ -256,13 +256,14 @@ def recover(comm: MPI.Intracomm, joinables: Sequence[Any], error: BaseException 
         steps=step - entered, completed=completed)
 
 
-def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
-           ) -> tuple[int, int] | None:
+def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float,
+           root: int | None = None) -> tuple[int, int] | None:
     """Bring every rank of `comm` to the most updates any applied: every rank adopts the
     joinables' state of the lowest rank that applied them (the same where a rank is at that
     step already, unless a broadcast of the interrupted Join was half received); return that
     step and that rank.  The companions of the joinables (:func:`companions`) are settled with
-    them.
+    them.  A `root` given (a recruited spare's joinables: :mod:`._spares`) is the rank whose
+    state every rank adopts, however many updates it applied.
 
     Collective over `comm`.  Under fault tolerance a rank adopts what it received only once
     every rank agreed that none was lost meanwhile (:func:`~tensorplay_mpi.comm._shrink.none_lost`);
@@ -275,7 +276,9 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
     mpi4py.MPI.Exception
         When a rank is lost in the settle's collectives (nothing changed).
     """
-    step, root = _settled_step(comm, progress(joinables) or 0, timeout)
+    step = None  # with `root` given: that rank's, once adopted
+    if root is None:
+        step, root = _settled_step(comm, progress(joinables) or 0, timeout)
     owners = companions(joinables)
     states = [j.elastic_state() for j in joinables]  # once: it writes the counters' arrays
     arrays = list({id(a): a for state in states for a in state}.values())
@@ -312,7 +315,7 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float
         agree(lambda row, every: iallgather(comm, row, every, "elastic settle: loads"),
                  comm.Get_rank(), comm.Get_size(), "the elastic settle's load_state_dict() of "
                  "update='s owner", timeout, failure)
-    return step, root
+    return (progress(joinables) or 0) if step is None else step, root
 
 
 def _broadcast_state_dicts(comm: MPI.Intracomm, owners: Sequence[Any], root: int,

@@ -26,7 +26,9 @@ a node failure, an OOM kill) resumes from the last of these saves.
 With ``--elastic`` (Open MPI 5 under ``mpiexec --with-ft ulfm``) a rank that dies does not end
 the job: the survivors shrink the communicator, settle the interrupted step, re-split the
 epoch's unused samples and go on; the run ends with exit status 0 on the survivors.  Without
-fault tolerance ``--elastic`` changes nothing: a lost rank ends the job.
+fault tolerance ``--elastic`` changes nothing: a lost rank ends the job.  With ``--spares K``
+too, the last K processes are hot spares (:class:`~tensorplay_mpi.algorithms.SparePool`): they
+wait asleep, and one takes a lost rank's place, so the run goes on at its original width.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from mpi4py import MPI
 
 from tensorplay_mpi import (SGD, DataParallel, Join, RanksLostError, checkpoint,
                             exit_for_requeue, keep_stop_signals, request_save)
-from tensorplay_mpi.algorithms import recover
+from tensorplay_mpi.algorithms import SparePool, recover
 from tensorplay_mpi.comm import iallgather, iallreduce, is_process_failure
 from tensorplay_mpi.data import Sampler, shard_sizes
 from tensorplay_mpi.examples.evaluation import validate
@@ -217,22 +219,28 @@ class Survivors:
     """The demo's side of ``--elastic``: after a lost rank, the survivors' communicator, the
     sampler re-split and the epoch's tally completed."""
 
-    def __init__(self, comm: MPI.Intracomm, elastic: bool) -> None:
+    def __init__(self, comm: MPI.Intracomm, elastic: bool, pool: SparePool) -> None:
         self.comm, self.elastic, self.lost_in_epoch = comm, elastic, False
+        self.pool = pool  # --spares: a spare takes a lost rank's place
 
     def lost(self, lost: RanksLostError, sampler: Sampler, tally: "Tally", split_start: int,
-             pending: np.ndarray | None, epoch: int) -> None:
+             pending: np.ndarray | None, epoch: int, joinables: list[Any]) -> None:
         """Go on after `lost`: the sampler re-split from the split's steps (`split_start`: the
         step where the split began), the lost ranks' and the completed pending samples
-        tallied."""
-        self.comm, self.lost_in_epoch = lost.comm, True
+        tallied; with spares, one brought in for each lost rank while any is left."""
+        self.lost_in_epoch = True
         gone = sampler.shrink(lost.lost, max(0, lost.step - split_start))
         if lost.completed and pending is not None:  # its step was applied by another rank
             np.add.at(tally.seen, pending, 1)
         if lost.rank == 0:
             np.add.at(tally.seen, gone, 1)
+        self.comm = self.pool.refill(lost, joinables, sampler)
+        if lost.rank == 0:
+            came = self.comm.Get_size() - lost.size
+            spares = f" ({came} spare(s) in their place)" if came else ""
             print(f"lost rank(s) {lost.lost} of {lost.old_size} at epoch {epoch}, step "
-                  f"{lost.step}; going on with {lost.size} ranks", flush=True)
+                  f"{lost.step}; going on with {self.comm.Get_size()} ranks{spares}",
+                  flush=True)
 
     def retry(self, what: Any, joinables: list[Any], on_lost: Any) -> Any:
         """``what()``, again after a lost rank surfacing outside a Join (``on_lost(lost)``
@@ -280,6 +288,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--elastic", action="store_true",
                         help="go on without a rank that dies (Open MPI under mpiexec "
                              "--with-ft ulfm; elsewhere a lost rank ends the job)")
+    parser.add_argument("--spares", type=int, default=0, metavar="K",
+                        help="with --elastic: the last K processes wait as hot spares, and "
+                             "one takes a lost rank's place (the width is kept)")
     return parser
 
 
@@ -297,6 +308,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     args = parser.parse_args(argv)
     if args.save_every < 0 or (args.save_every and not args.checkpoint):
         parser.error("--save-every takes a number of steps >= 0 and needs --checkpoint")
+    if args.spares < 0 or (args.spares and (not args.elastic or args.checkpoint)):
+        parser.error("--spares takes a number >= 0 and needs --elastic (not --checkpoint: a "
+                     "spare does not resume from a checkpoint yet)")
     return args
 
 
@@ -318,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
     """Train, report; the exit status (0, 1, or :data:`STOPPED`)."""
     (x_train, y_train), (x_test, y_test) = digits(args.seed)
+    pool = SparePool(comm, getattr(args, "spares", 0))
+    comm = pool.comm  # the trainers' (a spare's own, until it is recruited)
     xp = use_gpu(comm) if args.device == "cuda" else np
     sampler = Sampler(len(y_train), comm.rank, comm.size, batch_size=args.batch_size,
                       seed=args.seed, skew=args.skew)  # the order: f(seed, epoch, rank)
@@ -326,8 +342,13 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
     # in the Join, so that a joined rank steps too: every rank's parameters are current at a
     # periodic save (an update written after dp.step() in the loop would skip joined ranks)
     opt = SGD(params, dp.grads, lr=args.lr)
-    header(comm, args, len(y_train), len(y_test),
-           f"; on {dp.join_device}" if args.device == "cuda" else "")
+    recruited = pool.spare
+    if recruited and not pool.wait([dp, opt], sampler):
+        return 0  # the job ended without needing this spare
+    comm = pool.comm
+    if not recruited:
+        header(comm, args, len(y_train), len(y_test),
+               f"; on {dp.join_device}" if args.device == "cuda" else "")
     first, tally = 1, Tally(len(y_train))
     config = run_config(args)
     state = {"model": dp, "optimizer": opt, "sampler": sampler}  # what a checkpoint holds
@@ -350,14 +371,18 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                     f"; saved at {resumed.world_size} ranks, the rest of the epoch re-split")
             print(f"resumed from {resumed.path}: {where}{size}", flush=True)
 
-    survivors = Survivors(comm, args.elastic)
+    survivors = Survivors(comm, args.elastic, pool)
     start = time.perf_counter()
+    if recruited:  # a spare in a lost rank's place: from the trainers' epoch on
+        first = sampler.epoch
+        print(f"rank {comm.rank}: a spare, brought in at epoch {first}, step {opt.steps}",
+              flush=True)
     for epoch in range(first, args.epochs + 1):
         sampler.set_epoch(epoch)  # a resumed epoch goes on from the cursors
         tally = tally if epoch == first else Tally(len(y_train))
         step0 = (epoch - 1) * sampler.max_batches()  # steps before this epoch (approximately,
         # after a resize: it only spaces the periodic saves)
-        survivors.lost_in_epoch = False
+        survivors.lost_in_epoch = recruited and epoch == first
 
         def periodic_save() -> None:  # the Join's on_save: every rank, at one iteration
             save(survivors.comm, tally.summed(survivors.comm))  # noqa: B023  (this epoch's)
@@ -382,12 +407,13 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
                             request_save(f"every {args.save_every} steps")  # every active rank
                 break
             except RanksLostError as lost:
-                survivors.lost(lost, sampler, tally, split_start, pending, epoch)
+                survivors.lost(lost, sampler, tally, split_start, pending, epoch, [dp, opt])
                 comm = survivors.comm
 
         def after_join(lost: RanksLostError, split_start: int = split_start,
                        epoch: int = epoch) -> None:  # a loss between the epoch's Joins
-            survivors.lost(lost, sampler, tally, split_start, None, epoch)  # noqa: B023
+            survivors.lost(lost, sampler, tally, split_start, None, epoch,  # noqa: B023
+                           [dp, opt])
 
         validation = "" if join.stopped else survivors.retry(lambda: validate(
             survivors.comm, lambda batch: forward(params, xp.asarray(batch))[1], x_test, y_test,
@@ -416,7 +442,9 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         return report(survivors.comm, args, params, float(hits.mean()), float(elapsed[0]),
                       len(y_test))
 
-    return survivors.retry(finish, [dp, opt], lambda lost: None)
+    status = survivors.retry(finish, [dp, opt], lambda lost: None)
+    pool.close()  # the spares left waiting exit
+    return status
 
 
 def report(comm: MPI.Intracomm, args: argparse.Namespace, params: list[Any], accuracy: float,

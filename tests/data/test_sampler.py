@@ -194,6 +194,48 @@ def test_two_shrinks_and_a_checkpoint_state_between_them_keep_each_sample_once()
     assert [s.cursor for s in resumed] == cursors
 
 
+@pytest.mark.parametrize("lost, steps, places", [([1], 3, [1]), ([0], 5, [0]),
+                                                 ([0, 2], 4, [0, 2]), ([0, 2], 4, [0])])
+def test_spares_admitted_after_a_shrink_take_the_unused_samples_each_once(lost, steps,
+                                                                            places):
+    used = []
+    ranks = samplers(3)
+    lockstep(ranks, steps, used)
+    lost_used = [i for s in samplers(3) if s.rank in lost
+                 for b in s.batches()[:steps] for i in b.tolist()]
+    survivors = [s for s in ranks if s.rank not in lost]
+    for s in survivors:
+        s.shrink(lost, steps)
+    state = survivors[0].state()
+    width = len(survivors) + len(places)  # places: of the 3, those the spares take
+    held = sorted(set(range(3)) - set(lost)) + sorted(places)
+    new_rank = {old: i for i, old in enumerate(sorted(held))}
+    spares = [Sampler(N, 0, 1, batch_size=BATCH, seed=3, skew=1.0) for _ in places]
+    for s, old in zip(survivors, sorted(set(range(3)) - set(lost))):
+        s.admit(new_rank[old], width, state)
+    for s, place in zip(spares, sorted(places)):
+        s.admit(new_rank[place], width, state)
+    everyone = sorted(survivors + spares, key=lambda s: s.rank)
+    assert [(s.rank, s.size) for s in everyone] == [(r, width) for r in range(width)]
+    used = [i for i in used if i not in set(lost_used)]
+    consume(everyone, [None] * width, used)
+    assert sorted(used + lost_used) == list(range(N))
+    assert all(s.batches() for s in spares)  # the spares got a share
+
+
+def test_admit_refuses_a_begun_split_weights_and_a_bad_rank():
+    ranks = samplers(3)
+    lockstep(ranks, 2, [])
+    state = ranks[0].state()
+    with pytest.raises(ValueError, match="has begun"):
+        ranks[0].admit(0, 4, state)
+    with pytest.raises(ValueError, match="0 <= rank < size"):
+        Sampler(N, 0, 1, batch_size=BATCH).admit(4, 4, state)
+    weighted = Sampler(N, 0, 2, batch_size=BATCH, weights=[1, 2])
+    with pytest.raises(ValueError, match="weights"):
+        weighted.admit(0, 3, weighted.state())
+
+
 @pytest.mark.parametrize("lost, steps, match", [([], 1, "lost must name"),
                                                 ([3], 1, "lost must name"),
                                                 ([0], 1, "other than this rank"),

