@@ -96,19 +96,19 @@ def reshard(zero: ZeroRedundancyOptimizer, comm: MPI.Intracomm, step: int, root:
     Raises
     ------
     RuntimeError
-        On every survivor: without copies, if a lost rank's next rank is lost too (its shard is
-        gone), or, without `settling`, if the survivors are at different steps.
+        On every survivor, when a lost rank's shard is gone (no copies, or its next rank lost
+        too), or, without `settling`, if the survivors are at different steps.
     """
-    if zero._copy is None and not zero.copies:
-        raise RuntimeError(f"rank {comm.Get_rank()}: a ZeroRedundancyOptimizer without copies "
-                           "cannot go on without a lost rank (its shard is gone): construct it "
-                           "with copies=True")
     size, old_size = comm.Get_size(), zero.size
     rows = np.zeros((size, 2), np.int64)
     _wait([iallgather(comm, np.array([zero.rank, zero.local.steps], np.int64), rows,
                       "ZeRO settle: ranks and steps")], timeout)
     new_rank = {int(old): new for new, old in enumerate(rows[:, 0])}
     lost = [r for r in range(old_size) if r not in new_rank]
+    if lost and not zero.copies:
+        raise RuntimeError(f"rank {zero.rank}: the ZeroRedundancyOptimizer shard of lost "
+                           f"rank(s) {lost} is gone: construct it with copies=True to go on "
+                           "without a lost rank")
     gone = [d for d in lost if (d + 1) % old_size not in new_rank]
     if gone:
         raise RuntimeError(

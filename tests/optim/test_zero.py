@@ -403,3 +403,22 @@ def test_moving_to_fewer_ranks_takes_the_lost_shard_from_its_copy(comm, optimize
         if sub.rank == 0:
             ok = ok and same_state(zero.state_dict(), reference.state_dict())
     assert_all(ok, "the re-sharded state left the reference")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("copies", [False, True])
+def test_moving_to_a_communicator_of_the_same_ranks_keeps_the_shards(comm, copies):
+    optimizer_class, hyper = OPTIMIZERS["adam"]
+    params, expected = many_params(), many_params()
+    grads = [np.sin(np.arange(p.size) + i).reshape(p.shape) for i, p in enumerate(params)]
+    zero = ZeroRedundancyOptimizer(params, grads, optimizer_class, comm=comm, copies=copies,
+                                   **hyper)
+    reference = optimizer_class(expected, [g.copy() for g in grads], **hyper)
+    other = comm.Dup()
+    for t in range(4):
+        if t == 2:
+            zero.move_to(other)
+        zero.step()
+        reference.step()
+    assert_all(all_close(params, expected, rtol=0), "the moved shards left the reference")
+    other.Free()
