@@ -71,8 +71,9 @@ CASES = [  # (ranks, arguments of elastic_run.py after the seed)
 
 ZERO_CASES = [  # (ranks, arguments of elastic_zero.py): ZeRO with copies, a loss at each point
     (3, ["2@7:top"]), (3, ["1@5:backward"]), (3, ["1@6:shard"]), (3, ["2@9:sync"]),
-    (3, ["2@7:update"]), (3, ["2@14:joined"]), (3, ["0@4:sync"]), (4, ["1@0:bucket"]),
-    (4, ["3@6:shard"]), (4, ["--sgd", "2@8:sync"]), (4, ["0@5:top", "2@5:top"]),
+    (3, ["2@7:update"]), (3, ["2@14:joined"]), (3, ["0@4:sync"]),
+    (4, ["--expect-split", "1@0:bucket"]), (4, ["3@6:shard"]), (4, ["--sgd", "2@8:sync"]),
+    (4, ["0@5:top", "2@5:top"]),
     (4, ["1@3:update", "3@16:top"]), (3, ["--expect-gone", "1@5:top", "2@5:top"]),
 ]
 

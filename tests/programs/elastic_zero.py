@@ -20,9 +20,9 @@ may have received part of them) - both also while the victim has joined, in its 
 ``bucket`` (each parameter has a bucket of its own; the victim lets the others' buckets
 reduce, starts the last one, ``w``'s, 0.3 s after the others and dies at once: at 4 ranks,
 Open MPI's allreduce then completes on some survivors only, so some applied the step and
-some did not).  Two victims that are neighbours (r, r + 1 mod the size) at one point lose
-a shard with its copy: the survivors must then all raise the error that says so
-(``--expect-gone``).
+some did not: ``--expect-split`` checks that it happened).  Two victims that are neighbours
+(r, r + 1 mod the size) at one point lose a shard with its copy: the survivors must then all
+raise the error that says so (``--expect-gone``).
 
 Every survivor checks, after the last epoch: the parameters are bitwise identical on all
 survivors; every sample was used exactly once per epoch (the log's nonzeros); the lost ranks
@@ -81,7 +81,7 @@ def progress(seconds):
 def main():
     flags = [a for a in sys.argv[1:] if a.startswith("--")]
     kind = "sgd_momentum" if "--sgd" in flags else "adam"
-    expect_gone = "--expect-gone" in flags
+    expect_gone, expect_split = "--expect-gone" in flags, "--expect-split" in flags
     world = MPI.COMM_WORLD
     victims = plan([a for a in sys.argv[1:] if not a.startswith("--")], world.size, 1, WHERE)
     data = np.random.default_rng(1234)
@@ -136,7 +136,8 @@ def main():
         ok = expect_gone and "is gone: its copy was on rank" in gone
         print(f"RESULT rank={world.rank} {'ok' if ok else 'WRONG'} refused: {gone}", flush=True)
     else:
-        report(comm, world, victims, kind, params, zero, x, y, firsts, lost_seen, expect_gone)
+        report(comm, world, victims, kind, params, zero, x, y, firsts, lost_seen, expect_gone,
+               expect_split)
 
 
 def kill_inside(zero, victims, world_rank):
@@ -175,8 +176,12 @@ def replay(kind, log, steps, x, y):
     return params, states, counts
 
 
-def report(comm, world, victims, kind, params, zero, x, y, firsts, lost_seen, expect_gone):
+def report(comm, world, victims, kind, params, zero, x, y, firsts, lost_seen, expect_gone,
+           expect_split):
     problems = ["the losses were survived, not refused"] if expect_gone else []
+    split = any(comm.allgather(any(completed for *_, completed in lost_seen)))
+    if expect_split and not split:
+        problems.append("no survivor had the interrupted step completed from another")
     log = params[LOG_I]
     digests = comm.allgather(hashlib.blake2b(b"".join(p.tobytes() for p in params),
                                              digest_size=8).hexdigest())
