@@ -33,8 +33,9 @@ ZeRO: a ZeroRedundancyOptimizer with copies (``elastic_zero.py``, against a seri
 of the sampler's log, per-parameter step counts included), run after 4: a loss at each point
 of a step (before it; in the gradients' allreduce, so that some survivors applied the step and
 some did not; after its shard update; during its parameter broadcast; after it; while the
-victim has joined), two losses at once and one after the other; two neighbours lost at once
-must be refused on every survivor.
+victim has joined), two losses at once and one after the other, one in a validation Join
+(ZeRO moved with ``lost.move``); two neighbours lost at once must be refused on every
+survivor.
 
 Prints one line per run and fails on the first wrong one: wrong results, an abort, or a job
 that has not ended within TIMEOUT_S, whether its ranks hang (in their work or in
@@ -75,6 +76,7 @@ ZERO_CASES = [  # (ranks, arguments of elastic_zero.py): ZeRO with copies, a los
     (4, ["--expect-split", "1@0:bucket"]), (4, ["3@6:shard"]), (4, ["--sgd", "2@8:sync"]),
     (4, ["0@5:top", "2@5:top"]),
     (4, ["1@3:update", "3@16:top"]), (3, ["--expect-gone", "1@5:top", "2@5:top"]),
+    (3, ["--validate", "1@15:validate"]), (4, ["--validate", "0@20:validate"]),
 ]
 
 KEPT_CASES = [  # (ranks, arguments of elastic_kept.py): victim, its batch, before/after

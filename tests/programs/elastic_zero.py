@@ -22,7 +22,9 @@ reduce, starts the last one, ``w``'s, 0.3 s after the others and dies at once: a
 Open MPI's allreduce then completes on some survivors only, so some applied the step and
 some did not: ``--expect-split`` checks that it happened).  Two victims that are neighbours
 (r, r + 1 mod the size) at one point lose a shard with its copy: the survivors must then all
-raise the error that says so (``--expect-gone``).
+raise the error that says so (``--expect-gone``).  With ``--validate`` each epoch ends with a
+validation ``Join([jc], elastic=True)``; WHERE may be ``validate`` (in it): ZeRO then moves
+with ``lost.move``, re-sharded from its copies there.
 
 Every survivor checks, after the last epoch: the parameters are bitwise identical on all
 survivors; every sample was used exactly once per epoch (the log's nonzeros); the lost ranks
@@ -46,12 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the text
 from elastic_run import die_if, noted, plan  # noqa: E402
 from textbook import step as textbook_step  # noqa: E402
 
-from tensorplay_mpi import SGD, Adam, DataParallel, Join, RanksLostError  # noqa: E402
+from tensorplay_mpi import SGD, Adam, DataParallel, Join, JoinableComm  # noqa: E402
+from tensorplay_mpi import RanksLostError  # noqa: E402
 from tensorplay_mpi import ZeroRedundancyOptimizer  # noqa: E402
 from tensorplay_mpi.data import Sampler  # noqa: E402
 
 SAMPLES, BATCH, EPOCHS, DIM, LR, BIG = 160, 8, 3, 5, 0.01, 140_000
-WHERE = ("top", "backward", "update", "joined", "shard", "sync", "bucket")
+WHERE = ("top", "backward", "update", "joined", "shard", "sync", "bucket", "validate")
 HYPER = {"adam": {"lr": 0.01, "betas": (0.9, 0.99), "eps": 1e-8},
          "sgd_momentum": {"lr": 0.01, "momentum": 0.9}}
 ROWS = EPOCHS * SAMPLES // BATCH + 8
@@ -82,6 +85,7 @@ def main():
     flags = [a for a in sys.argv[1:] if a.startswith("--")]
     kind = "sgd_momentum" if "--sgd" in flags else "adam"
     expect_gone, expect_split = "--expect-gone" in flags, "--expect-split" in flags
+    validate = "--validate" in flags
     world = MPI.COMM_WORLD
     victims = plan([a for a in sys.argv[1:] if not a.startswith("--")], world.size, 1, WHERE)
     data = np.random.default_rng(1234)
@@ -131,6 +135,20 @@ def main():
                 gone = str(error)
         if gone is not None:
             break
+        while validate:  # a validation Join of its own: the training's joinables move
+            try:
+                jc = JoinableComm(comm)
+                with Join([jc], elastic=True):
+                    for _ in range(2 + comm.rank % 2):
+                        jc.begin_iteration()
+                        die_if(victims, world.rank, "validate", zero.elastic_progress())
+                        jc.allreduce(np.ones(3))
+                break
+            except RanksLostError as lost:  # ZeRO re-shards from its copies in the move
+                members = noted(lost, members, lost_seen)
+                lost.move(dp, zero)
+                comm = lost.comm
+                sampler.shrink(lost.lost)
     firsts.append(zero.elastic_progress())
     if gone is not None:
         ok = expect_gone and "is gone: its copy was on rank" in gone
