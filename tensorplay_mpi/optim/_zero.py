@@ -120,6 +120,10 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, ElasticJoinable,
     comm, timeout
         As for :class:`~tensorplay_mpi.algorithms.GuardedJoinable`; `comm` defaults to the
         communicator of the DataParallel whose ``dp.grads`` are the `grads`.
+    copies : bool, default False
+        Also keep a copy of the previous rank's shard (mod the size), stepped with the same
+        gradients, so that ``Join([dp, zero], elastic=True)`` goes on without a lost rank
+        (docs/elastic.md); twice the state per rank and a second shard's update per step.
     **defaults
         Hyperparameters of `optimizer_class` (``lr``, ``betas``, ...).  ``max_grad_norm``
         clips all gradients (not only the shard's) to that total norm before each step.
