@@ -7,7 +7,10 @@
 - ``step``: step time of ``Join([dp, zero])`` / ``Join([dp, adam])`` with a local Adam, measured
   side by side (slowest rank, median of interleaved repeats);
 - ``many_small``: for each count in ``--small`` (1k to 10k params of 100 float32), a ZeRO SGD
-  step / a local SGD step on the same params, side by side (target at 10k: <= 1.5).
+  step / a local SGD step on the same params, side by side (target at 10k: <= 1.5);
+- ``copies``: the step time of ``Join([dp, zero], elastic=True)`` with ``copies=True`` (each
+  rank also steps the copy of the previous rank's shard) / ``Join([dp, zero])`` without, on
+  even inputs, side by side; and the state bytes per rank with / without.
 """
 
 from __future__ import annotations
@@ -70,6 +73,22 @@ def main() -> None:
 
     step = side_by_side(comm, lambda: train(dp_zero, zero), lambda: train(dp_local, local),
                         args.repeats)
+
+    dp_copies = DataParallel(params, comm=comm)
+    with_copies = ZeroRedundancyOptimizer(params, dp_copies.grads, Adam, comm=comm, lr=1e-3,
+                                          copies=True)
+
+    def train_elastic(dp, optimizer) -> None:
+        with Join([dp, optimizer], elastic=True):
+            for _ in range(args.steps):
+                with dp.step():
+                    pass
+                optimizer.step()
+
+    copies = side_by_side(comm, lambda: train_elastic(dp_copies, with_copies),
+                          lambda: train(dp_zero, zero), args.repeats)
+    copies["state_bytes_ratio"] = comm.allreduce(with_copies.state_nbytes / zero.state_nbytes,
+                                                 op=MPI.MAX)
     report = {
         "ranks": comm.size,
         "cores": os.cpu_count(),
@@ -81,12 +100,16 @@ def main() -> None:
         "state_share_target": 1 / comm.size + 0.05,
         "step": step,
         "many_small": many_small,
+        "copies": copies,
         "many_small_target": SMALL_TARGET,
     }
     if comm.rank == 0:
         print(f"{comm.size} ranks: state share {share:.4f} (target <= "
               f"{report['state_share_target']:.4f}), step Join([dp, zero]) / Join([dp, adam]) "
-              f"{step['ratio']:.3f} ({step['a_ms']:.0f} / {step['b_ms']:.0f} ms)", flush=True)
+              f"{step['ratio']:.3f} ({step['a_ms']:.0f} / {step['b_ms']:.0f} ms); with copies "
+              f"(elastic) / without {copies['ratio']:.3f}, paired {copies['paired_ratio']:.3f} "
+              f"({copies['a_ms']:.0f} / {copies['b_ms']:.0f} ms), state bytes "
+              f"{copies['state_bytes_ratio']:.2f}x", flush=True)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
 

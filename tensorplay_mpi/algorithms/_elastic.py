@@ -62,9 +62,8 @@ def check_elastic(joinables: Sequence[Any]) -> None:
     if refused:
         raise ValueError(
             f"Join(elastic=True): {', '.join(refused)} cannot go on without a lost rank (its "
-            "state would be lost with it: a ZeroRedundancyOptimizer's shards, a joinable of "
-            "your own that is not an ElasticJoinable); leave elastic off and resume from "
-            "periodic saves instead")
+            "state would be lost with it: a joinable of your own that is not an "
+            "ElasticJoinable); leave elastic off and resume from periodic saves instead")
     owners = [type(j).__name__ for j in joinables if j.elastic_progress() is not None]
     if len(owners) > 1:
         raise ValueError(
@@ -107,11 +106,12 @@ def update_owner(update: Callable[[], Any]) -> Any:
             "own whose state_dict() holds the optimizer's and the scheduler's "
             "(docs/elastic.md); with one of this library's optimizers bound to dp.grads, use "
             "Join([dp, opt]) instead of update=")
-    if isinstance(owner, Joinable) and not isinstance(owner, ElasticJoinable):
+    if isinstance(owner, Joinable) and (not isinstance(owner, ElasticJoinable)
+                                        or getattr(owner, "sharded", False)):
         raise ValueError(
             f"Join(elastic=True): DataParallel's update= steps {type(owner).__name__}, which "
-            "cannot go on without a lost rank (its shards would be lost with it); leave "
-            "elastic off and resume from periodic saves instead")
+            "cannot be settled as update= (a ZeroRedundancyOptimizer's shards: put it in "
+            "the Join, Join([dp, zero], elastic=True), constructed with copies=True)")
     return owner
 
 
@@ -279,6 +279,9 @@ def settle(comm: MPI.Intracomm, joinables: Sequence[Any], timeout: float,
     step = None  # with `root` given: that rank's, once adopted
     if root is None:
         step, root = _settled_step(comm, progress(joinables) or 0, timeout)
+        for joinable in joinables:  # sharded state (a ZeRO's, from its copies) first
+            if hasattr(joinable, "_elastic_reshard"):
+                joinable._elastic_reshard(comm, step, root, timeout)
     owners = companions(joinables)
     states = [j.elastic_state() for j in joinables]  # once: it writes the counters' arrays
     arrays = list({id(a): a for state in states for a in state}.values())

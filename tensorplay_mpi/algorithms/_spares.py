@@ -135,6 +135,7 @@ class SparePool:
         if not self.spare:
             raise RuntimeError("SparePool.wait: this process trains (it is no spare, or was "
                                "recruited already)")
+        _refuse_sharded(joinables)
         if joinables:
             check_elastic(joinables)
         while self.spare and not self._closed:
@@ -167,6 +168,7 @@ class SparePool:
         """
         if self.spare:
             raise RuntimeError("SparePool.refill: this process is a spare (wait() instead)")
+        _refuse_sharded(joinables)
         self.comm = lost.comm
         if self.spares:
             self._recruit(lost, joinables, sampler)
@@ -248,6 +250,17 @@ class SparePool:
                 raise RuntimeError(f"SparePool: {what} did not complete within "
                                    f"{settings().timeout} s")
             time.sleep(POLL_S / 10)
+
+
+def _refuse_sharded(joinables: Sequence[Any]) -> None:
+    """``ValueError`` for a joinable whose state is sharded (a ZeroRedundancyOptimizer): a
+    recruit holds no shard and no copy of one, so it could not take a lost rank's place."""
+    sharded = [type(j).__name__ for j in joinables if getattr(j, "sharded", False)]
+    if sharded:
+        raise ValueError(f"SparePool: a recruited spare cannot take a lost rank's place in a "
+                         f"{sharded[0]} (it holds no shard and no copy of one); train a "
+                         "sharded optimizer without spares (an elastic Join with copies=True "
+                         "goes on narrower)")
 
 
 def _admit(comm: MPI.Intracomm, joinables: Sequence[Any], sampler: Any, root: int) -> None:

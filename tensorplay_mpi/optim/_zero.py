@@ -13,13 +13,13 @@ on every rank, as the local optimizers refuse them: two broadcasts would write t
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from ..algorithms._guarded_joinable import GuardedJoinable
-from ..algorithms.join import Join
+from ..algorithms.join import ElasticJoinable, Join
 from ..comm._buffers import check_disjoint, device_of, zeros_like
 from ..comm._collectives import Work, ibcast, irecv, isend
 from ..comm import _torch_cuda as torch_cuda
@@ -28,6 +28,7 @@ from ._clip import clip_grad_norm
 from ._linked import LinkedOptimizer
 from ._local import Adam, Optimizer
 from ._protocol import OptimizerState, check_params, refuse_bfloat16, check_state, is_writeable
+from ._zero_copies import Layout, refresh_copies, reshard
 
 _TAG = 0x2E60  # of the state messages of consolidate_state_dict
 
@@ -49,7 +50,59 @@ def partition(nbytes: Sequence[int], size: int) -> list[int]:
     return owners
 
 
-class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
+def sync_plan(params: Sequence[Any], owners: Sequence[int], size: int,
+              every_rank: bool = False) -> tuple[list[tuple[int, Any, list]], list[int]]:
+    """The broadcasts of a step, the same on every rank: per owner with packed parameters,
+    its byte buffer and (bytes of the buffer, bytes of the parameter) view pairs; and the
+    parameters broadcast on their own.  With `every_rank`, a rank that owns no parameter
+    with elements broadcasts one byte, so that no rank completes a step's sync before every
+    rank has stepped its shard (what the copies' settle needs)."""
+    packed: list[list[int]] = [[] for _ in range(size)]
+    direct = []
+    for i, p in enumerate(params):
+        if p.nbytes >= DIRECT_BYTES:
+            direct.append(i)
+        elif p.nbytes:
+            packed[owners[i]].append(i)
+    broadcasting = {owners[i] for i in direct}
+    packs: list[tuple[int, Any, list]] = []
+    for owner, members in enumerate(packed):
+        if not members and every_rank and owner not in broadcasting and params:
+            packs.append((owner, zeros_like(params[0], 1, np.uint8), []))
+        if not members:
+            continue
+        flat = zeros_like(params[members[0]], sum(params[i].nbytes for i in members), np.uint8)
+        views, offset = [], 0
+        for i in members:
+            mine = params[i].reshape(-1).view(np.uint8)
+            views.append((flat[offset:offset + mine.size], mine))
+            offset += mine.size
+        packs.append((owner, flat, views))
+    return packs, direct
+
+
+def sync_parameters(comm: MPI.Intracomm, rank: int, params: Sequence[Any],
+                    owners: Sequence[int], packs: list[tuple[int, Any, list]],
+                    direct: list[int], wait_all: Callable[[list[Work]], None]) -> None:
+    """Broadcast every parameter from its owner (a plan of :func:`sync_plan`), all started
+    before any is waited (`wait_all`).  Collective over `comm`."""
+    works = []
+    for owner, flat, views in packs:
+        if owner == rank:
+            for packed, param in views:
+                packed[...] = param
+        works.append(ibcast(comm, flat, owner,
+                            f"parameter sync (the {len(views)} packed of rank {owner})"))
+    works += [ibcast(comm, params[i], owners[i], f"parameter sync {i}") for i in direct]
+    wait_all(works)
+    for owner, _, views in packs:
+        if owner != rank:
+            for packed, param in views:
+                param[...] = packed
+
+
+class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, ElasticJoinable,
+                              OptimizerState):
     """Optimizer whose state is sharded over the ranks of `comm`.
 
     Collective over `comm`: every rank constructs it with the same parameter shapes, dtypes
@@ -67,6 +120,10 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
     comm, timeout
         As for :class:`~tensorplay_mpi.algorithms.GuardedJoinable`; `comm` defaults to the
         communicator of the DataParallel whose ``dp.grads`` are the `grads`.
+    copies : bool, default False
+        Also keep a copy of the previous rank's shard (mod the size), stepped with the same
+        gradients, so that ``Join([dp, zero], elastic=True)`` goes on without a lost rank
+        (docs/elastic.md); twice the state per rank and a second shard's update per step.
     **defaults
         Hyperparameters of `optimizer_class` (``lr``, ``betas``, ...).  ``max_grad_norm``
         clips all gradients (not only the shard's) to that total norm before each step.
@@ -86,41 +143,74 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
 
     def __init__(self, params: Sequence[Any], grads: Sequence[Any],
                  optimizer_class: type[Optimizer] = Adam, comm: MPI.Intracomm | None = None,
-                 timeout: float | None = None, **defaults: Any) -> None:
+                 timeout: float | None = None, copies: bool = False, **defaults: Any) -> None:
         super().__init__(self._link_grads(grads, comm), timeout)
         self.params = as_arrays(refuse_bfloat16(params), "params")  # torch tensors: NumPy views
         grads = as_arrays(grads, "grads")
         try:  # memory sharing is no part of the layout: a rank that has it refuses
             check_disjoint(params=self.params, grads=grads)
+            if not isinstance(copies, bool):
+                raise TypeError(f"copies must be True or False, got {copies!r}")
             refused = None
-        except ValueError as error:
+        except (TypeError, ValueError) as error:
             refused = error
         layout = ([(p.shape, p.dtype.str, p.flags.c_contiguous, is_writeable(p))
                    for p in self.params],
                   [g.shape for g in grads], optimizer_class.__qualname__,
-                  [(k, getattr(v, "__qualname__", v)) for k, v in sorted(defaults.items())])
+                  [(k, getattr(v, "__qualname__", v)) for k, v in sorted(defaults.items())],
+                  copies)
         self._check_arguments(
             refused, layout,
             "parameters, gradients or optimizer settings",
             f"params {[(p.shape, p.dtype.str) for p in self.params]}, "
-            f"{len(grads)} grads and {optimizer_class.__name__}({defaults})")
+            f"{len(grads)} grads and {optimizer_class.__name__}({defaults}), copies={copies}")
         # identical everywhere from here on, so every check below gives one verdict
         check_params(self.params, grads)  # every param, not only this rank's shard
         self.grads = grads
         self.max_grad_norm = defaults.pop("max_grad_norm", None)  # of all grads, not a shard
         if self.max_grad_norm is not None and not self.max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm must be >= 0, got {self.max_grad_norm!r}")
+        self.copies = copies
         self.optimizer_class = optimizer_class
         self.device = device_of(self.params[0]) if self.params else "cpu"
-        self.owners = partition([p.nbytes for p in self.params], self.size)
-        self.shard = [i for i, owner in enumerate(self.owners) if owner == self.rank]
-        self.local = optimizer_class([self.params[i] for i in self.shard],
-                                     [grads[i] for i in self.shard], comm=self.comm,
-                                     **defaults)
-        self._packs, self._direct = self._sync_plan()
+        self._adopt(self._lay_out(self.comm, defaults))
         self._consolidated: dict[str, Any] | None = None
-        self._shard_index = np.asarray(self.shard, dtype=np.intp)
+        self._resharded: tuple[MPI.Intracomm, Layout] | None = None
         self._step_with_link(must_join=True)  # in place of its shard optimizer
+
+    def _lay_out(self, comm: MPI.Intracomm, defaults: dict[str, Any]) -> Layout:
+        """The shards at the size of `comm` as its rank sees them: the owners, this rank's
+        shard optimizer and, with copies, that of the copy of the previous rank's shard."""
+        size, rank = comm.Get_size(), comm.Get_rank()
+        owners = partition([p.nbytes for p in self.params], size)
+
+        def shard_optimizer(owner: int) -> tuple[list[int], Optimizer]:
+            shard = [i for i, o in enumerate(owners) if o == owner]
+            return shard, self.optimizer_class([self.params[i] for i in shard],
+                                               [self.grads[i] for i in shard], comm=comm,
+                                               **defaults)
+        shard, local = shard_optimizer(rank)
+        copy_shard: list[int] = []
+        copy: Optimizer | None = None
+        if self.copies and size > 1:
+            copy_shard, copy = shard_optimizer((rank - 1) % size)
+        packs, direct = sync_plan(self.params, owners, size, every_rank=self.copies)
+        return Layout(owners, shard, local, copy_shard, copy, packs, direct)
+
+    def _adopt(self, layout: Layout) -> None:
+        """Work with `layout` from now on."""
+        self.owners, self.shard, self.local = layout.owners, layout.shard, layout.local
+        self._shard_index = np.asarray(self.shard, dtype=np.intp)
+        self._copy_shard, self._copy = layout.copy_shard, layout.copy
+        self._copy_index = np.asarray(self._copy_shard, dtype=np.intp)
+        self._packs, self._direct = layout.packs, layout.direct
+        self._link_copy()
+
+    def _link_copy(self) -> None:
+        """The copy reads the shard optimizer's hyperparameters (one group, one schedule)."""
+        if self._copy is not None:
+            self._copy.param_groups, self._copy.defaults = (self.local.param_groups,
+                                                             self.local.defaults)
 
     sharded = True
 
@@ -142,31 +232,6 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
         Join.notify_join_context(self)
         self._step_shard_and_sync()
 
-    def _sync_plan(self) -> tuple[list[tuple[int, Any, list]], list[int]]:
-        """The broadcasts of a step, the same on every rank: per owner with packed parameters,
-        its byte buffer and (bytes of the buffer, bytes of the parameter) view pairs; and the
-        parameters broadcast on their own."""
-        packed: list[list[int]] = [[] for _ in range(self.size)]
-        direct = []
-        for i, p in enumerate(self.params):
-            if p.nbytes >= DIRECT_BYTES:
-                direct.append(i)
-            elif p.nbytes:
-                packed[self.owners[i]].append(i)
-        packs = []
-        for owner, members in enumerate(packed):
-            if not members:
-                continue
-            flat = zeros_like(self.params[members[0]], sum(self.params[i].nbytes
-                                                           for i in members), np.uint8)
-            views, offset = [], 0
-            for i in members:
-                mine = self.params[i].reshape(-1).view(np.uint8)
-                views.append((flat[offset:offset + mine.size], mine))
-                offset += mine.size
-            packs.append((owner, flat, views))
-        return packs, direct
-
     def _step_shard_and_sync(self) -> None:
         # torch CUDA tensors: the clip and the update after torch's writes, torch's after ours
         with torch_cuda.handed():
@@ -174,29 +239,29 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
                 clip_grad_norm(self.grads, self.max_grad_norm)
             used = self._used()
             self.local.update(None if used is None else used[self._shard_index])
+            if self._copy is not None:  # the previous rank's update, the same arithmetic
+                self._copy.update(None if used is None else used[self._copy_index])
             self._sync_parameters()
 
     def _sync_parameters(self) -> None:
         """Every parameter from the rank that owns it (its shard's update)."""
-        works = []
-        for owner, flat, views in self._packs:
-            if owner == self.rank:
-                for packed, param in views:
-                    packed[...] = param
-            works.append(ibcast(self.comm, flat, owner,
-                                f"parameter sync (the {len(views)} packed of rank {owner})"))
-        works += [ibcast(self.comm, self.params[i], self.owners[i], f"parameter sync {i}")
-                  for i in self._direct]
-        self._wait_all(works)
-        for owner, _, views in self._packs:
-            if owner != self.rank:
-                for packed, param in views:
-                    param[...] = packed
+        sync_parameters(self.comm, self.rank, self.params, self.owners, self._packs,
+                        self._direct, self._wait_all)
+
+    def _sync_with(self, comm: MPI.Intracomm, owners: list[int], timeout: float) -> None:
+        """Every parameter from `owners` (ranks of `comm`), once: a plan of its own."""
+        packs, direct = sync_plan(self.params, owners, comm.Get_size())
+
+        def wait_all(works: list[Work]) -> None:
+            for work in works:
+                work.wait_or_abort(timeout)
+        sync_parameters(comm, comm.Get_rank(), self.params, owners, packs, direct, wait_all)
 
     @property
     def state_nbytes(self) -> int:
-        """Bytes of optimizer state held by this rank (its shard only)."""
-        return self.local.state_nbytes
+        """Bytes of optimizer state held by this rank: its shard's, and with copies the copy's
+        of the previous rank's shard."""
+        return self.local.state_nbytes + (self._copy.state_nbytes if self._copy else 0)
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -265,7 +330,12 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
             np.asarray(steps)
         shard = dict(state_dict, state={k: state[i] for k, i in enumerate(self.shard)},
                      param_steps=steps[self._shard_index])
-        self.load_shard_state_dict(shard)
+        self._load_shard(shard)
+        if self._copy is not None:
+            self._copy.load_state_dict(dict(
+                state_dict, state={k: state[i] for k, i in enumerate(self._copy_shard)},
+                param_steps=steps[self._copy_index]))
+            self._link_copy()
 
     def check_state_dict(self, state_dict: dict[str, Any], shard: bool = False,
                          source: str = "the state dict") -> None:
@@ -282,9 +352,18 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
         return self.local.state_dict()
 
     def load_shard_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`shard_state_dict` gave on this rank at the same world size."""
+        """Load what :meth:`shard_state_dict` gave on this rank at the same world size.
+
+        With copies, collective over ``comm`` (each rank sends its shard's state to the next
+        rank's copy): every rank loads its own.
+        """
+        self._load_shard(state_dict)
+        refresh_copies(self)
+
+    def _load_shard(self, state_dict: dict[str, Any]) -> None:
         self.local.load_state_dict(state_dict)
         self.local.set_hyperparameter("max_grad_norm", None)  # ZeRO clips all, never a shard
+        self._link_copy()
 
     def shard_owners(self, size: int) -> list[int]:
         """The owner of each parameter at world size `size`, as every rank computes it."""
@@ -297,6 +376,48 @@ class ZeroRedundancyOptimizer(GuardedJoinable, LinkedOptimizer, OptimizerState):
         return list(self.params)
 
     def _shadow_step(self) -> None:
-        """A joined rank's step: this rank's shard with the gradients, and its part in the
-        parameter sync."""
+        """A joined rank's step: this rank's shard (and copy) with the gradients, and its part
+        in the parameter sync."""
         self._step_shard_and_sync()
+
+    def _made_into(self, join: Join) -> None:
+        if join.elastic and not self.copies:
+            raise ValueError(
+                "Join(elastic=True): a ZeroRedundancyOptimizer goes on without a lost rank "
+                "only with copies=True (each shard's state also on the next rank; "
+                "docs/elastic.md); without, leave elastic off and resume from periodic saves")
+        super()._made_into(join)
+
+    # -- ElasticJoinable: an elastic Join's settle (docs/elastic.md) -----------------------
+
+    def elastic_progress(self) -> int | None:
+        """The steps applied on this rank."""
+        return self.local.steps
+
+    def elastic_state(self) -> list[Any]:
+        """None: the settle makes the parameters whole and moves the shards from the copies
+        before its broadcast, and adopts them in :meth:`elastic_restore`."""
+        return []
+
+    def _elastic_reshard(self, comm: MPI.Intracomm, step: int, root: int,
+                         timeout: float) -> None:
+        """The settle's hook: the shards on `comm` at `step`, from the copies (collective over
+        `comm`); adopted by :meth:`elastic_restore` once every survivor has them."""
+        self._resharded = (comm, reshard(self, comm, step, root, timeout))
+
+    def elastic_restore(self) -> None:
+        """Adopt the shards made by the settle's hook."""
+        if self._resharded is not None:
+            self._adopt(self._resharded[1])
+
+    def move_to(self, comm: MPI.Intracomm) -> None:
+        """Work on `comm` from now on (collective over `comm`): re-sharded there by the settle,
+        or here (:meth:`~tensorplay_mpi.errors.RanksLostError.move` after a loss outside its
+        steps) from the copies."""
+        settled, self._resharded = self._resharded, None
+        if settled is None or settled[0] is not comm:
+            self._adopt(reshard(self, comm, self.local.steps, 0, self.timeout, settling=False))
+        super().move_to(comm)
+        for optimizer in (self.local, self._copy):
+            if optimizer is not None:
+                optimizer.move_to(comm)

@@ -466,6 +466,8 @@ class Reducer:
         self.steps = self._completed = int(self._counters[0])
         self._updates = int(self._counters[1])
         self._kept.restore()
+        if self._manual.size:  # as a completed step leaves them: an interrupted one's marks
+            self._has[self._manual] = False  # would count a parameter unused next as used
 
     def elastic_companions(self) -> list[Any]:
         """The object whose method ``update=`` is (an optimizer), settled with this one."""

@@ -20,7 +20,7 @@ def test_joinables_that_cannot_go_on_are_refused_on_every_rank(comm):
     params = [np.zeros(4)]
     dp = DataParallel(params, comm=comm)
     zero = ZeroRedundancyOptimizer(params, dp.grads, Adam, comm=comm)
-    with raises_everywhere(ValueError, match="ZeroRedundancyOptimizer cannot go on"):
+    with raises_everywhere(ValueError, match="only with copies=True"):
         Join([dp, zero], elastic=True)
     with raises_everywhere(ValueError, match="AllReducer cannot go on"):
         Join([AllReducer(comm)], elastic=True)
@@ -35,7 +35,8 @@ def test_joinables_that_cannot_go_on_are_refused_on_every_rank(comm):
 
 @pytest.mark.mpi
 def test_an_update_the_settle_cannot_see_is_refused_on_every_rank(comm):
-    """A function or lambda (what it advances is invisible), or ZeRO's step (sharded)."""
+    """A function or lambda (what it advances is invisible), or ZeRO's step (sharded: it goes
+    in the Join, with copies)."""
     params = [np.zeros(4)]
     dp = DataParallel(params, comm=comm, update=lambda: opt.update())
     opt = SGD(params, dp.grads, lr=1.0)
@@ -45,7 +46,7 @@ def test_an_update_the_settle_cannot_see_is_refused_on_every_rank(comm):
     zero_params = [np.zeros(4)]  # made first, with gradients of its own: a bound method
     zero = ZeroRedundancyOptimizer(zero_params, [np.zeros(4)], Adam, comm=comm)
     zero_dp = DataParallel(zero_params, comm=comm, update=zero.step)
-    with raises_everywhere(ValueError, match="ZeroRedundancyOptimizer, which cannot go on"):
+    with raises_everywhere(ValueError, match="ZeroRedundancyOptimizer, which cannot be settled"):
         Join([zero_dp], elastic=True)
 
 

@@ -5,7 +5,7 @@ trainers' close, the refusals.  A spare taking a lost rank's place needs ULFM:
 import numpy as np
 import pytest
 
-from tensorplay_mpi import SGD, DataParallel, Join
+from tensorplay_mpi import SGD, DataParallel, Join, ZeroRedundancyOptimizer
 from tensorplay_mpi.algorithms import SparePool
 from tensorplay_mpi.algorithms import _elastic as elastic
 from tensorplay_mpi.data import Sampler
@@ -76,3 +76,17 @@ def test_the_settle_with_a_root_gives_every_rank_that_rank_s_state(comm):
     expected = np.arange(5) + 10.0 * root
     assert_all((step, used, opt.steps) == (7, root, 7) and np.array_equal(params[0], expected),
                f"step {step} from {used}, steps {opt.steps}, params {params[0]}")
+
+
+@pytest.mark.mpi
+def test_a_sharded_optimizer_is_refused_with_spares(comm):
+    """A recruit holds no shard and no copy of one: wait() and refill() refuse a ZeRO."""
+    params = [np.zeros(4), np.zeros(3)]
+    dp = DataParallel(params, comm=comm)
+    zero = ZeroRedundancyOptimizer(params, dp.grads, SGD, lr=0.1, copies=True)
+    pool = SparePool(comm, 0)
+    with raises_everywhere(ValueError, match="holds no shard"):
+        pool.refill(None, [dp, zero])
+    pool.spare = True  # as a spare would call it
+    with raises_everywhere(ValueError, match="holds no shard"):
+        pool.wait([dp, zero])

@@ -50,17 +50,25 @@ def test_staged_steps_copy_each_bucket_once_each_way(comm, monkeypatch, aware):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("aware", [False, True])
-def test_zero_on_the_device_equals_the_host_run(comm, monkeypatch, aware):
+@pytest.mark.parametrize("copies", [False, True])
+def test_zero_on_the_device_equals_the_host_run(comm, monkeypatch, aware, copies):
+    """With copies, a move to another communicator (a re-shard) between two Joins too."""
     use_mode(monkeypatch, aware)
 
     def run(device):
         rng = np.random.default_rng(3)
         params = [device(rng.normal(size=n)) for n in (4, 6, 3, 5)]
         grads = [device(np.cos(np.arange(p.size) + i)) for i, p in enumerate(params)]
-        zero = ZeroRedundancyOptimizer(params, grads, Adam, comm=comm, lr=0.1)
-        with Join([zero]):
+        zero = ZeroRedundancyOptimizer(params, grads, Adam, comm=comm, lr=0.1, copies=copies)
+        with Join([zero], elastic=copies):
             for _ in range(2 + comm.rank):
                 zero.step()
+        if copies:
+            other = comm.Dup()
+            zero.move_to(other)
+            with Join([zero], elastic=True):
+                zero.step()
+            other.Free()
         return params
 
     host, device = run(np.asarray), run(on_device)

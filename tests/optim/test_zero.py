@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 from helpers import UNEVEN, gathered_equal
 from linear import gradient, initial_params, make_problem, rank_batches
 
@@ -21,24 +22,26 @@ def many_params():
     return [rng.normal(size=shape) for shape in [(4, 3), (3,), (6,), (2, 2), (5,), (1,)]]
 
 
-def train(comm, inputs, optimizer, zero):
+def train(comm, inputs, optimizer, zero, copies=False, elastic=False):
     """DataParallel + (ZeRO or a local optimizer) on the linear problem; per-step history."""
     optimizer_class, hyper = OPTIMIZERS[optimizer]
     x, y = make_problem()
     params = initial_params()
     dp = DataParallel(params, comm=comm, bucket_cap_mb=1e-6)
     if zero:
-        opt = ZeroRedundancyOptimizer(params, dp.grads, optimizer_class, comm=comm, **hyper)
+        opt = ZeroRedundancyOptimizer(params, dp.grads, optimizer_class, comm=comm,
+                                      copies=copies, **hyper)
     else:
         opt = optimizer_class(params, dp.grads, **hyper)
     history = []
-    with Join([dp, opt]):
+    with Join([dp, opt], elastic=elastic):
         for idx in rank_batches(inputs, comm.rank):
             with dp.step():
                 for i, g in enumerate(gradient(params, x[idx], y[idx])):
                     dp.grads[i] = g
             opt.step()
             history.append([p.copy() for p in params])
+    train.last = opt
     return params, history
 
 
@@ -282,3 +285,140 @@ def test_a_consolidated_state_keeps_the_clipping_a_local_optimizer_loads(comm):
         local.load_state_dict(zero.state_dict())
         clipped = local.param_groups[0]["max_grad_norm"]
     assert_all(comm.rank != 0 or clipped == 1.0, f"max_grad_norm after the load: {clipped}")
+
+
+# -- copies (copies=True): each shard's state also on the next rank, for an elastic Join -----
+
+def previous_ranks_shard(zero, comm):
+    """The shard state of the previous rank (mod the size), as that rank holds it."""
+    states = comm.allgather(zero.shard_state_dict())
+    return states[(comm.rank - 1) % comm.size]
+
+
+def same_state(a, b):
+    """Bitwise the same moments and step counts."""
+    return (a["steps"] == b["steps"] and np.array_equal(a["param_steps"], b["param_steps"])
+            and a["state"].keys() == b["state"].keys()
+            and all(np.array_equal(a["state"][k][n], b["state"][k][n])
+                    for k in a["state"] for n in a["state"][k]))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pattern", UNEVEN)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_copies_in_an_elastic_join_equal_a_local_optimizer_and_their_owners(comm, pattern,
+                                                                            optimizer):
+    """Uneven inputs, no loss: the same parameters as a local optimizer after every step, and
+    each rank's copy bitwise its previous rank's shard state (joined ranks' hooks included)."""
+    inputs = inputs_of(pattern, comm.size)
+    params, history = train(comm, inputs, optimizer, zero=True, copies=True, elastic=True)
+    zero = train.last
+    _, expected = train(comm, inputs, optimizer, zero=False)
+    steps_match = all(all_close(a, b) for a, b in zip(history, expected))
+    assert_all(len(history) == inputs[comm.rank] and steps_match,
+               "ZeRO with copies left the local optimizer's parameters")
+    copy_ok = zero._copy is None if comm.size == 1 else same_state(
+        zero._copy.state_dict(), previous_ranks_shard(zero, comm))
+    assert_all(copy_ok, "a copy differs from its owner's shard state")
+
+
+@pytest.mark.mpi
+def test_an_elastic_join_refuses_zero_without_copies_on_every_rank(comm):
+    params = [np.zeros(4)]
+    dp = DataParallel(params, comm=comm)
+    zero = ZeroRedundancyOptimizer(params, dp.grads, Adam, comm=comm)
+    with raises_everywhere(ValueError, match="only with copies=True"):
+        Join([dp, zero], elastic=True)
+    Join([dp, zero])  # without elastic: as before
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_loading_a_state_fills_the_copies(comm, optimizer):
+    """A full state dict, and each rank's shard (a checkpoint at the same size: collective)."""
+    optimizer_class, hyper = OPTIMIZERS[optimizer]
+    params = many_params()
+    grads = [np.cos(np.arange(p.size) + i).reshape(p.shape) for i, p in enumerate(params)]
+    source = ZeroRedundancyOptimizer(params, grads, optimizer_class, comm=comm, **hyper)
+    for _ in range(3):
+        source.step()
+    shard = source.shard_state_dict()
+    source.consolidate_state_dict(to=0)
+    full = comm.bcast(source.state_dict() if comm.rank == 0 else None, root=0)
+    for load in ("full", "shard"):
+        zero = ZeroRedundancyOptimizer(many_params(), grads, optimizer_class, comm=comm,
+                                       copies=True, **hyper)
+        if load == "full":
+            zero.load_state_dict(full)
+        else:
+            zero.load_shard_state_dict(shard)
+        copy_ok = zero._copy is None if comm.size == 1 else same_state(
+            zero._copy.state_dict(), previous_ranks_shard(source, comm))
+        assert_all(copy_ok, f"after a {load} load a copy differs from its owner's shard")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_moving_to_fewer_ranks_takes_the_lost_shard_from_its_copy(comm, optimizer):
+    """The last rank leaves (a communicator without it, as after a loss outside the steps):
+    the others re-shard from their shards and the copy of the last one's, and go on exactly
+    as a local optimizer, per-parameter step counts included (one parameter unused at times)."""
+    if comm.size == 1:
+        pytest.skip("needs a rank to leave")
+    optimizer_class, hyper = OPTIMIZERS[optimizer]
+    params, expected = many_params(), many_params()
+    grads, reference_grads = ([np.zeros_like(p) for p in params] for _ in range(2))
+    dp = DataParallel(params, comm=comm)
+    zero = ZeroRedundancyOptimizer(params, dp.grads, optimizer_class, comm=comm, copies=True,
+                                   **hyper)
+    reference = optimizer_class(expected, reference_grads, **hyper)
+
+    def step(t, zero, dp):
+        unused = [1] if t % 2 else []
+        with dp.step(unused=unused):
+            for i, g in enumerate(grads):
+                if i not in unused:
+                    dp.grads[i][...] = np.cos(np.arange(g.size) * (t + 1) + i).reshape(g.shape)
+                    dp.mark_ready(i)
+        for mine, averaged in zip(reference_grads, dp.grads):
+            mine[...] = averaged
+        zero.step()
+        used = np.ones(len(params), bool)
+        used[unused] = False
+        reference.update(used)
+
+    with Join([dp, zero]):
+        for t in range(3):
+            step(t, zero, dp)
+    sub = comm.Split(MPI.UNDEFINED if comm.rank == comm.size - 1 else 0, comm.rank)
+    ok = True
+    if sub != MPI.COMM_NULL:
+        dp.move_to(sub)
+        zero.move_to(sub)
+        with Join([dp, zero]):
+            for t in range(3, 6):
+                step(t, zero, dp)
+        zero.consolidate_state_dict(to=0)
+        ok = all_close(params, expected, rtol=0)
+        if sub.rank == 0:
+            ok = ok and same_state(zero.state_dict(), reference.state_dict())
+    assert_all(ok, "the re-sharded state left the reference")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("copies", [False, True])
+def test_moving_to_a_communicator_of_the_same_ranks_keeps_the_shards(comm, copies):
+    optimizer_class, hyper = OPTIMIZERS["adam"]
+    params, expected = many_params(), many_params()
+    grads = [np.sin(np.arange(p.size) + i).reshape(p.shape) for i, p in enumerate(params)]
+    zero = ZeroRedundancyOptimizer(params, grads, optimizer_class, comm=comm, copies=copies,
+                                   **hyper)
+    reference = optimizer_class(expected, [g.copy() for g in grads], **hyper)
+    other = comm.Dup()
+    for t in range(4):
+        if t == 2:
+            zero.move_to(other)
+        zero.step()
+        reference.step()
+    assert_all(all_close(params, expected, rtol=0), "the moved shards left the reference")
+    other.Free()

@@ -29,6 +29,14 @@
 7. DEMO_TRIALS trials (default 3) of the demo, ``examples.train --elastic`` at 3 ranks, one
    rank SIGKILLed from outside at a random moment (``elastic_demo_trials.py``).
 
+ZeRO: a ZeroRedundancyOptimizer with copies (``elastic_zero.py``, against a serial NumPy replay
+of the sampler's log, per-parameter step counts included), run after 4: a loss at each point
+of a step (before it; in the gradients' allreduce, so that some survivors applied the step and
+some did not; after its shard update; during its parameter broadcast; after it; while the
+victim has joined), two losses at once and one after the other, one in a validation Join
+(ZeRO moved with ``lost.move``); two neighbours lost at once must be refused on every
+survivor.
+
 Prints one line per run and fails on the first wrong one: wrong results, an abort, or a job
 that has not ended within TIMEOUT_S, whether its ranks hang (in their work or in
 ``MPI_Finalize``) or only the launcher is left (``launcher hang``).
@@ -72,6 +80,15 @@ SPARE_CASES = [  # (processes, arguments of elastic_spares.py: spares, final wid
     (4, ["1", "2", "3@3:spare", "1@10:top"]),  # then a lost trainer: no spare left, a shrink
     (4, ["1", "2", "0@3:top", "2@12:backward"]),  # more losses than spares: then a shrink
     (4, ["2", "2", "0@4:top", "2@15:top"]),  # the recruit lost, the second spare comes in
+]
+
+ZERO_CASES = [  # (ranks, arguments of elastic_zero.py): ZeRO with copies, a loss at each point
+    (3, ["2@7:top"]), (3, ["1@5:backward"]), (3, ["1@6:shard"]), (3, ["2@9:sync"]),
+    (3, ["2@7:update"]), (3, ["2@14:joined"]), (3, ["0@4:sync"]),
+    (4, ["--expect-split", "1@0:bucket"]), (4, ["3@6:shard"]), (4, ["--sgd", "2@8:sync"]),
+    (4, ["0@5:top", "2@5:top"]),
+    (4, ["1@3:update", "3@16:top"]), (3, ["--expect-gone", "1@5:top", "2@5:top"]),
+    (3, ["--validate", "1@15:validate"]), (4, ["--validate", "0@20:validate"]),
 ]
 
 KEPT_CASES = [  # (ranks, arguments of elastic_kept.py): victim, its batch, before/after
@@ -147,6 +164,8 @@ def main():
     checks += [(n, "tests/programs/elastic_kept.py", args, n - 1) for n, args in KEPT_CASES]
     checks += [(n, "tests/programs/elastic_spares.py", args, n - len(args) + 2)
                for n, args in SPARE_CASES]
+    checks += [(n, "tests/programs/elastic_zero.py", args,
+                n - sum(not a.startswith("--") for a in args)) for n, args in ZERO_CASES]
     seeds = random.Random(int(time.time())).sample(range(10_000), random_runs)
     checks += [(n, "tests/programs/elastic_run.py", [str(s)], n - 1) for s in seeds
                for n in (3, 4)]
