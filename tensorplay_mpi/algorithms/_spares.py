@@ -32,13 +32,15 @@ gather, the split, the state's broadcast) is not recovered from: the job ends wi
 
 from __future__ import annotations
 
+import atexit
+import operator
 import time
 from typing import Any, Sequence, cast
 
 import numpy as np
 from mpi4py import MPI
 
-from ..comm._collectives import ibcast
+from ..comm._collectives import iallgather, ibcast
 from ..comm._fault_tolerance import fault_tolerance, is_process_failure
 from ..comm._guard import Guard
 from ..comm._shrink import shrink
@@ -104,10 +106,22 @@ class SparePool:
 
     def __init__(self, comm: MPI.Intracomm, spares: int) -> None:
         size = comm.Get_size()
-        if isinstance(spares, bool) or not isinstance(spares, int) or not 0 <= spares < size:
-            raise ValueError(f"SparePool: spares must be an int in [0, {size}) (at least one "
-                             f"process trains), got {spares!r}")
+        if isinstance(spares, bool):
+            raise TypeError(f"SparePool: spares must be an int, got {spares!r}")
+        try:
+            spares = operator.index(spares)  # NumPy integers too
+        except TypeError:
+            raise TypeError(f"SparePool: spares must be an int, got {spares!r}") from None
+        if not 0 <= spares < size:
+            raise ValueError(f"SparePool: spares must be in [0, {size}) (at least one process "
+                             f"trains), got {spares!r}")
         set_up(comm)
+        every = np.empty(size, np.int64)
+        iallgather(comm, np.array([spares], np.int64), every,
+                   "SparePool: the spares of every rank").wait_or_abort(settings().timeout)
+        if every.min() != every.max():
+            raise ValueError(f"SparePool: the ranks passed different spares "
+                             f"({every.tolist()}); every process passes the same")
         self._pool = comm.Dup()  # the pool's own: its revocation touches no other
         rank = comm.Get_rank()
         self.spare = rank >= size - spares
@@ -117,7 +131,8 @@ class SparePool:
         self.comm = cast(MPI.Intracomm, self._pool.Split(
             self._trainers + rank if self.spare else 0, rank))  # a spare's own, alone
         self._closed = False
-
+        if spares and not self.spare:  # a trainer that never called close(): at exit, so
+            atexit.register(_close_at_exit, self)  # that no spare keeps the job alive
     # -- a spare -----------------------------------------------------------------------------
 
     def wait(self, joinables: Sequence[Any], sampler: Any = None) -> bool:
@@ -136,6 +151,9 @@ class SparePool:
             raise RuntimeError("SparePool.wait: this process trains (it is no spare, or was "
                                "recruited already)")
         _refuse_sharded(joinables)
+        if getattr(sampler, "weights", None) is not None:
+            raise ValueError("SparePool.wait: a Sampler that splits by weights cannot take a "
+                             "recruit (its share is unknown); split by skew with spares")
         if joinables:
             check_elastic(joinables)
         while self.spare and not self._closed:
@@ -169,6 +187,9 @@ class SparePool:
         if self.spare:
             raise RuntimeError("SparePool.refill: this process is a spare (wait() instead)")
         _refuse_sharded(joinables)
+        if not isinstance(lost, RanksLostError):
+            raise TypeError(f"SparePool.refill takes the RanksLostError of the loss, got "
+                            f"{type(lost).__name__}")
         self.comm = lost.comm
         if self.spares:
             self._recruit(lost, joinables, sampler)
@@ -176,10 +197,11 @@ class SparePool:
 
     def close(self) -> None:
         """End the job's spares that were never recruited: each one's :meth:`wait` returns
-        ``False``.  Every trainer calls it once, after training; a spare's call does nothing,
-        and so does a second one.  Under fault tolerance the pool is revoked and shrunk as for
-        a recruitment (a lost spare, or a lost first rank of the pool, is left out), else the
-        pool's first rank sends each spare a message.
+        ``False``.  Every trainer calls it once, after training (a trainer that did not calls
+        it at exit); a spare's call does nothing, and so does a second one.  Under fault
+        tolerance the pool is revoked and shrunk as for a recruitment (a lost spare, or a lost
+        first rank of the pool, is left out), else the pool's first rank sends each spare a
+        message.
 
         Collective over the trainers and every live spare.
         """
@@ -214,17 +236,25 @@ class SparePool:
                                "fault tolerance (Open MPI 5 under mpiexec --with-ft ulfm)")
         pool, _ = shrink(self._pool, settings().grace)  # Open MPI's Ishrink: MPI_ERR_INTERN
         self._pool = pool
-        mine = np.array([_CLOSING, 0] if closing else [_WAITING, 0] if lost is None else
-                        [lost.old_rank, lost.old_size], np.int64)
-        rows = np.empty((pool.Get_size(), 2), np.int64)
+        held_before = [_CLOSING, 0] if closing else [_WAITING, 0] if lost is None else [
+            lost.old_rank, lost.old_size]
+        mine = np.array([*held_before, int(sampler is not None)], np.int64)
+        rows = np.empty((pool.Get_size(), 3), np.int64)
         self._wait(pool.Iallgather(mine, rows), "the pool's places")
-        if (rows[:, 0] == _CLOSING).any() or not (rows[:, 0] >= 0).any():
-            self._closed = True  # the end (or no trainer is left)
+        if (rows[:, 0] == _CLOSING).any():
+            self._closed = True  # the end
             return
-        held = {int(place): i for i, (place, _) in enumerate(rows) if place >= 0}
+        if not (rows[:, 0] >= 0).any():
+            self._closed = True
+            raise RuntimeError("SparePool: every trainer was lost, and the training state with "
+                               "them; end the job and resume from the last periodic save")
+        if rows[:, 2].min() != rows[:, 2].max():
+            raise ValueError("SparePool: some processes passed a sampler to wait()/refill() "
+                             "and others none; pass the same on every process")
+        held = {int(place): i for i, place in enumerate(rows[:, 0]) if place >= 0}
         width = int(rows[:, 1].max())
         free = [p for p in range(width) if p not in held]
-        waiting = [i for i, (place, _) in enumerate(rows) if place < 0]
+        waiting = [i for i, place in enumerate(rows[:, 0]) if place < 0]
         places = {**held, **dict(zip(free, waiting))}  # place -> rank in the pool
         recruits = [i for i in waiting if i in places.values()]
         self._spare_ranks = [i for i in waiting if i not in recruits]
@@ -250,6 +280,13 @@ class SparePool:
                 raise RuntimeError(f"SparePool: {what} did not complete within "
                                    f"{settings().timeout} s")
             time.sleep(POLL_S / 10)
+
+
+def _close_at_exit(pool: SparePool) -> None:
+    """A trainer's :meth:`SparePool.close` at exit, where the program did not call it: the
+    spares still waiting must not keep the job alive."""
+    if not pool._closed and not MPI.Is_finalized():
+        pool.close()
 
 
 def _refuse_sharded(joinables: Sequence[Any]) -> None:

@@ -222,25 +222,39 @@ class Survivors:
     def __init__(self, comm: MPI.Intracomm, elastic: bool, pool: SparePool) -> None:
         self.comm, self.elastic, self.lost_in_epoch = comm, elastic, False
         self.pool = pool  # --spares: a spare takes a lost rank's place
+        self.deferred: RanksLostError | None = None  # a loss between Joins, refilled later
 
     def lost(self, lost: RanksLostError, sampler: Sampler, tally: "Tally", split_start: int,
-             pending: np.ndarray | None, epoch: int, joinables: list[Any]) -> None:
+             pending: np.ndarray | None, epoch: int, joinables: list[Any],
+             between_joins: bool = False) -> None:
         """Go on after `lost`: the sampler re-split from the split's steps (`split_start`: the
         step where the split began), the lost ranks' and the completed pending samples
-        tallied; with spares, one brought in for each lost rank while any is left."""
+        tallied; with spares, one brought in for each lost rank while any is left: at once
+        for a loss in the epoch's training Join (a recruit enters the loop there), at the
+        next epoch's start for one `between_joins` (:meth:`refill_deferred`)."""
         self.lost_in_epoch = True
         gone = sampler.shrink(lost.lost, max(0, lost.step - split_start))
         if lost.completed and pending is not None:  # its step was applied by another rank
             np.add.at(tally.seen, pending, 1)
         if lost.rank == 0:
             np.add.at(tally.seen, gone, 1)
-        self.comm = self.pool.refill(lost, joinables, sampler)
+        if between_joins:
+            self.comm, self.deferred = lost.comm, lost
+        else:
+            self.comm = self.pool.refill(lost, joinables, sampler)
         if lost.rank == 0:
             came = self.comm.Get_size() - lost.size
             spares = f" ({came} spare(s) in their place)" if came else ""
             print(f"lost rank(s) {lost.lost} of {lost.old_size} at epoch {epoch}, step "
                   f"{lost.step}; going on with {self.comm.Get_size()} ranks{spares}",
                   flush=True)
+
+    def refill_deferred(self, joinables: list[Any], sampler: Sampler) -> None:
+        """Spares in the places of ranks lost between the last epoch's Joins (validation, the
+        tally): at this epoch's start, where a recruit's loop begins (its sampler's epoch)."""
+        if self.deferred is not None:
+            lost, self.deferred = self.deferred, None
+            self.comm = self.pool.refill(lost, joinables, sampler)
 
     def retry(self, what: Any, joinables: list[Any], on_lost: Any) -> Any:
         """``what()``, again after a lost rank surfacing outside a Join (``on_lost(lost)``
@@ -379,6 +393,8 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
               flush=True)
     for epoch in range(first, args.epochs + 1):
         sampler.set_epoch(epoch)  # a resumed epoch goes on from the cursors
+        survivors.refill_deferred([dp, opt], sampler)
+        comm = survivors.comm
         tally = tally if epoch == first else Tally(len(y_train))
         step0 = (epoch - 1) * sampler.max_batches()  # steps before this epoch (approximately,
         # after a resize: it only spaces the periodic saves)
@@ -413,7 +429,7 @@ def run(args: argparse.Namespace, comm: MPI.Intracomm) -> int:
         def after_join(lost: RanksLostError, split_start: int = split_start,
                        epoch: int = epoch) -> None:  # a loss between the epoch's Joins
             survivors.lost(lost, sampler, tally, split_start, None, epoch,  # noqa: B023
-                           [dp, opt])
+                           [dp, opt], between_joins=True)
 
         validation = "" if join.stopped else survivors.retry(lambda: validate(
             survivors.comm, lambda batch: forward(params, xp.asarray(batch))[1], x_test, y_test,

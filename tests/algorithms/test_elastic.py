@@ -22,6 +22,7 @@ def test_joinables_that_cannot_go_on_are_refused_on_every_rank(comm):
     zero = ZeroRedundancyOptimizer(params, dp.grads, Adam, comm=comm)
     with raises_everywhere(ValueError, match="only with copies=True"):
         Join([dp, zero], elastic=True)
+    Join([dp, zero])  # without elastic: as before
     with raises_everywhere(ValueError, match="AllReducer cannot go on"):
         Join([AllReducer(comm)], elastic=True)
     with raises_everywhere(ValueError, match="needs the joinable that applies the step"):

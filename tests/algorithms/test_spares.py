@@ -2,6 +2,8 @@
 trainers' close, the refusals.  A spare taking a lost rank's place needs ULFM:
 ``make test-elastic`` (``tests/programs/elastic_spares.py``)."""
 
+import subprocess
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,7 @@ from tensorplay_mpi import SGD, DataParallel, Join, ZeroRedundancyOptimizer
 from tensorplay_mpi.algorithms import SparePool
 from tensorplay_mpi.algorithms import _elastic as elastic
 from tensorplay_mpi.data import Sampler
-from tensorplay_mpi.testing import assert_all, raises_everywhere
+from tensorplay_mpi.testing import assert_all, raises_everywhere, run_mpi
 
 SAMPLES = 37
 
@@ -46,9 +48,16 @@ def test_the_trainers_train_alone_and_close_ends_the_waiting_spare(comm):
 
 @pytest.mark.mpi
 def test_a_pool_without_a_trainer_and_misuse_are_refused(comm):
-    for spares in (comm.size, -1, True, 1.0):
+    for spares in (comm.size, -1):
         with raises_everywhere(ValueError, match="at least one process trains"):
             SparePool(comm, spares)
+    for spares in (True, 1.0, "1"):
+        with raises_everywhere(TypeError, match="spares must be an int"):
+            SparePool(comm, spares)
+    if comm.size > 1:
+        with raises_everywhere(ValueError, match="different spares"):
+            SparePool(comm, comm.rank % 2)
+    assert_all(SparePool(comm, np.int64(0)).comm.size == comm.size)  # NumPy integers too
     pool = SparePool(comm, 1 if comm.size > 1 else 0)
     if pool.spare:
         with pytest.raises(RuntimeError, match="is a spare"):
@@ -58,6 +67,8 @@ def test_a_pool_without_a_trainer_and_misuse_are_refused(comm):
     else:
         with pytest.raises(RuntimeError, match="this process trains"):
             pool.wait([])
+        with pytest.raises(TypeError, match="takes the RanksLostError"):
+            pool.refill(None, [])
         pool.close()
     assert_all(True)
 
@@ -90,3 +101,21 @@ def test_a_sharded_optimizer_is_refused_with_spares(comm):
     pool.spare = True  # as a spare would call it
     with raises_everywhere(ValueError, match="holds no shard"):
         pool.wait([dp, zero])
+
+
+FORGOTTEN_CLOSE = """
+from mpi4py import MPI
+from tensorplay_mpi.algorithms import SparePool
+pool = SparePool(MPI.COMM_WORLD, 1)
+if pool.spare:
+    print("SPARE", pool.wait([]), flush=True)
+"""  # the trainer ends without pool.close()
+
+
+def test_a_trainer_that_forgets_close_ends_the_spares_at_exit():
+    """The trainers' close() at exit: the waiting spare returns False, the job ends by itself."""
+    try:
+        result = run_mpi(2, ["-c", FORGOTTEN_CLOSE], timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the spare kept the job alive: no close() at the trainer's exit")
+    assert result.returncode == 0 and "SPARE False" in result.stdout, result.stderr

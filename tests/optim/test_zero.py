@@ -323,16 +323,6 @@ def test_copies_in_an_elastic_join_equal_a_local_optimizer_and_their_owners(comm
 
 
 @pytest.mark.mpi
-def test_an_elastic_join_refuses_zero_without_copies_on_every_rank(comm):
-    params = [np.zeros(4)]
-    dp = DataParallel(params, comm=comm)
-    zero = ZeroRedundancyOptimizer(params, dp.grads, Adam, comm=comm)
-    with raises_everywhere(ValueError, match="only with copies=True"):
-        Join([dp, zero], elastic=True)
-    Join([dp, zero])  # without elastic: as before
-
-
-@pytest.mark.mpi
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_loading_a_state_fills_the_copies(comm, optimizer):
     """A full state dict, and each rank's shard (a checkpoint at the same size: collective)."""

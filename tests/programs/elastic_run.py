@@ -77,6 +77,19 @@ def plan(argv, size, seed, places):
 
 
 
+def gradients(dp, opt, idx, x, y, w, victims, world_rank):
+    """A step's gradients, in two buckets: the least-squares gradient of the batch `idx`
+    (weights `w`), then the sampler's log (row: the step, -size at each sample id), with the
+    "backward" kill point between them."""
+    row, size = opt.steps, dp.size
+    dp.grads[1][...] = size * LR * x[idx].T @ (x[idx] @ w - y[idx])
+    dp.mark_ready(1)
+    die_if(victims, world_rank, "backward", opt.steps)
+    dp.grads[0][...] = 0.0
+    dp.grads[0][row, idx] = -size
+    dp.mark_ready(0)
+
+
 def die_if(victims, world_rank, where, applied):
     step, at, pause = victims.get(world_rank, (None, None, 0.0))
     if at == where and applied >= step:
@@ -126,13 +139,7 @@ def main():
                                 die_if(victims, world.rank, "jc", opt.steps)
                                 total = jc.allreduce(np.array([float(len(idx))]))
                                 sums.append((opt.steps, float(total[0])))
-                            row, size = opt.steps, dp.size
-                            dp.grads[1][...] = size * LR * x[idx].T @ (x[idx] @ w - y[idx])
-                            dp.mark_ready(1)
-                            die_if(victims, world.rank, "backward", opt.steps)
-                            dp.grads[0][...] = 0.0
-                            dp.grads[0][row, idx] = -size
-                            dp.mark_ready(0)
+                            gradients(dp, opt, idx, x, y, w, victims, world.rank)
                         if not with_update:
                             opt.step()
                         die_if(victims, world.rank, "update", opt.steps)

@@ -33,8 +33,8 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # elastic_run's training and checks
-from elastic_run import (BATCH, DIM, EPOCHS, LR, SAMPLES, die_if, noted, plan,  # noqa: E402
-                         report)
+from elastic_run import (BATCH, DIM, EPOCHS, SAMPLES, die_if, gradients,  # noqa: E402
+                         noted, plan, report)
 
 from tensorplay_mpi import SGD, DataParallel, Join, RanksLostError  # noqa: E402
 from tensorplay_mpi.algorithms import SparePool  # noqa: E402
@@ -79,13 +79,7 @@ def main():
                         die_if(victims, world.rank, "top", opt.steps)
                         kill_spares(victims, killed, comm, pids, opt.steps)
                         with dp.step():
-                            row, size = opt.steps, dp.size
-                            dp.grads[1][...] = size * LR * x[idx].T @ (x[idx] @ w - y[idx])
-                            dp.mark_ready(1)
-                            die_if(victims, world.rank, "backward", opt.steps)
-                            dp.grads[0][...] = 0.0
-                            dp.grads[0][row, idx] = -size
-                            dp.mark_ready(0)
+                            gradients(dp, opt, idx, x, y, w, victims, world.rank)
                         opt.step()
                         die_if(victims, world.rank, "update", opt.steps)
                     die_if(victims, world.rank, "joined", opt.steps)
