@@ -135,7 +135,7 @@ def test_a_persistent_collective_against_a_nonblocking_one_is_a_mismatch(comm, o
     if not persistent.enabled():
         pytest.skip("no persistent collectives here (TENSORPLAY_MPI_PERSISTENT=0 or MPI < 4)")
     jc = JoinableComm(comm)
-    x = np.ones(16)  # 128 bytes: too large for the announcement to carry a broadcast
+    x = np.ones(40)  # 320 bytes: too large for the announcement to carry (a bcast or a SUM)
     with raises_everywhere(CollectiveMismatchError, match="allreduce against iallreduce"):
         if comm.rank == 0:
             (jc.iallreduce(x) if op == "allreduce" else jc.ibcast(x, root=0)).wait()
